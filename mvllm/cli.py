@@ -1,0 +1,75 @@
+"""The `mvllm` command line: thin wrappers, one function per subcommand."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import typer
+from rich.console import Console
+
+from mvllm.errors import MvllmError
+from mvllm.model.loader import DEFAULT_MODEL
+
+app = typer.Typer(help="Serve a language model on CPU and GPU backends at once, and benchmark how whole "
+                       "requests should be routed between them.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+console = Console(stderr=True, soft_wrap=True)
+
+
+@app.callback()
+def _root() -> None:
+    """mvllm: profile, serve, bench and report."""
+
+
+def one_line_errors(fn):
+    """Bad input ends in one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MvllmError as e:
+            console.print(f"[red]error:[/red] {e}", highlight=False)
+            sys.exit(2)
+        except FileNotFoundError as e:
+            console.print(f"[red]error:[/red] {e.strerror}: {e.filename}", highlight=False)
+            sys.exit(2)
+
+    return wrapper
+
+
+@app.command()
+@one_line_errors
+def generate(
+    prompt: str = typer.Argument(..., help="A chat message (or, for models without a tokenizer, "
+                                           "comma-separated token ids)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="HF directory or hub id, .gguf file, smollm2-135m, "
+                                                  "or synthetic:<preset>."),
+    device: str = typer.Option("cpu", help="cpu, cuda or mps."),
+    dtype: str = typer.Option(None, help="float32, bfloat16 or float16 (default: per device)."),
+    max_tokens: int = typer.Option(64, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    seed: int = typer.Option(None, help="Seed for sampling."),
+    raw: bool = typer.Option(False, help="Send the prompt as plain text, without the chat template."),
+):
+    """Generate one answer with the offline engine and print it with its speed."""
+    from mvllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    with console.status(f"loading {model} on {device}"):
+        llm = LLM(model, device=device, dtype=dtype)
+    if llm.tokenizer.hf is None:
+        ids = [int(t) for t in prompt.replace(" ", "").split(",") if t]
+        out = llm.generate([ids], params)[0]
+    elif raw:
+        out = llm.generate(prompt, params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": prompt}], params)
+    t = out.metrics
+    decode_s = (t.finished - t.first_token) if len(out.token_ids) > 1 else 0.0
+    print(out.text if out.text is not None else out.token_ids)
+    rate = (len(out.token_ids) - 1) / decode_s if decode_s > 0 else float("nan")
+    console.print(f"[dim]{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated; "
+                  f"first token {1000 * (t.first_token - t.arrival):.0f} ms, decode {rate:.1f} tok/s "
+                  f"({model}, {device}, {llm.engine.dtype})[/dim]", highlight=False)

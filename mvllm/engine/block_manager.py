@@ -1,0 +1,131 @@
+"""Paged KV blocks with prefix caching: a hash chain over full blocks, reference counts, LRU eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from mvllm.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    """Blocks are in one of three states: referenced (ref_count > 0), free and clean (no hash), or free
+    and cached (hash kept, evictable, in LRU order: least recently released first)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.clean: deque[int] = deque(range(num_blocks))
+        self.cached_free: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block: dict[int, int] = {}
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.clean) + len(self.cached_free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _match(self, token_ids: list[int]) -> list[int]:
+        """Ids of cached blocks holding a prefix of token_ids; the last token is always left to compute."""
+        bs, parent, hit = self.block_size, None, []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hit.append(block_id)
+        return hit
+
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """Tokens of this prompt that the cache would serve now; changes nothing, LRU order included."""
+        return len(self._match(token_ids)) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hit = self._match(seq.token_ids)
+        reusable_free = sum(1 for b in hit if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(len(seq)) - len(hit) <= self.num_free - reusable_free
+
+    def allocate(self, seq: Sequence) -> None:
+        assert not seq.block_table
+        hit = self._match(seq.token_ids)
+        self.queries += 1
+        self.hits += bool(hit)
+        for block_id in hit:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.cached_free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        for _ in range(self.blocks_needed(len(seq)) - len(hit)):
+            seq.block_table.append(self._take_free())
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hit) * self.block_size
+
+    def _take_free(self) -> int:
+        if self.clean:
+            block_id = self.clean.popleft()
+        else:
+            block_id, _ = self.cached_free.popitem(last=False)
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free > 0
+
+    def append(self, seq: Sequence) -> None:
+        """Make room for the KV of every token in seq (called before a decode step)."""
+        while len(seq) > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._take_free())
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the full blocks whose KV has been computed, so later prompts can reuse them."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            if h not in self.hash_to_block:
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block[h] = block.id
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                    self.cached_free[block_id] = None
+                else:
+                    block.hash, block.token_ids = None, ()
+                    self.clean.append(block_id)
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed_tokens = 0
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks

@@ -1,0 +1,144 @@
+"""One backend's engine: a model on one device, its scheduler, KV blocks and runner. Synchronous;
+the caller drives it with `step()` (the offline LLM loops, a backend worker process serves)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mvllm.engine.block_manager import BlockManager
+from mvllm.engine.model_runner import ModelRunner
+from mvllm.engine.params import SamplingParams
+from mvllm.engine.scheduler import Batch, Scheduler
+from mvllm.engine.sequence import Sequence
+from mvllm.errors import InvalidRequestError, PromptTooLongError
+from mvllm.model.loader import ModelSource, build_model, resolve
+
+DEFAULT_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "mps": torch.float16}
+DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 4.0, "mps": 1.0}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    max_active: int = 4
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gb: float | None = None
+    max_model_len: int | None = None
+    threads: int | None = None
+    quant: str = "none"
+    graphs: bool = True
+
+    def validate(self) -> None:
+        if self.max_active < 1:
+            raise InvalidRequestError(f"max_active must be at least 1, got {self.max_active}", "max_active")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidRequestError(f"threads must be at least 1, got {self.threads}", "threads")
+        if self.block_size < 1:
+            raise InvalidRequestError(f"block_size must be at least 1, got {self.block_size}", "block_size")
+        device_type = torch.device(self.device).type
+        if device_type not in DEFAULT_DTYPES:
+            raise InvalidRequestError(f"unknown device {self.device!r}; use cpu, cuda or mps", "device")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError("device cuda was asked for but this machine has no CUDA GPU", "device")
+        if device_type == "mps" and not torch.backends.mps.is_available():
+            raise InvalidRequestError("device mps was asked for but this machine has no MPS GPU", "device")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    seq: Sequence
+    token: int
+    finished: bool
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None):
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype) if config.dtype else DEFAULT_DTYPES[self.device.type]
+        if config.threads and self.device.type == "cpu":
+            torch.set_num_threads(config.threads)
+        self.source = source or resolve(config.model)
+        cfg = self.source.config
+        self.model = build_model(self.source, self.device, self.dtype)
+        num_blocks = config.num_blocks or self._blocks_for_budget()
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
+                                 num_blocks * config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size)
+        self.requests: dict[str, Sequence] = {}
+
+    def _blocks_for_budget(self) -> int:
+        gb = self.config.kv_cache_gb or DEFAULT_KV_GB[self.device.type]
+        per_block = ModelRunner.kv_bytes_per_token(self.source.config, self.dtype) * self.config.block_size
+        return max(int(gb * 2**30 // per_block), 1)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.source.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens but this model's context is {self.max_model_len}; "
+                "shorten the prompt", "prompt")
+        peak = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_needed(peak) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {peak} tokens of KV cache but the pool holds "
+                f"{self.blocks.num_blocks * self.blocks.block_size}", "max_tokens")
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival: float | None = None) -> Sequence:
+        params.validate()
+        self.check_prompt(token_ids, params)
+        seq = Sequence(token_ids, params, request_id, arrival)
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use", "request_id")
+        seq.estimated_cached_tokens = self.blocks.cached_prefix_len(token_ids)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        self.requests.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        tokens = self.runner.run(batch)
+        now = time.time()
+        finished = {s.request_id for s in self.scheduler.postprocess(batch, tokens, now)}
+        for rid in finished:
+            self.requests.pop(rid, None)
+        return [StepOutput(s, t, s.request_id in finished) for s, t in zip(batch.seqs, tokens)]
+
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        return self.blocks.cached_prefix_len(token_ids)
+
+    def warm(self, token_ids: list[int]) -> int:
+        """Compute and cache the KV of a prefix (its full blocks); returns the tokens now cached."""
+        seq = Sequence(token_ids, SamplingParams(max_tokens=1))
+        self.check_prompt(token_ids, seq.params)
+        if not self.blocks.can_allocate(seq):
+            raise InvalidRequestError("not enough free KV blocks to warm this prefix now", "prompt")
+        self.blocks.allocate(seq)
+        self.runner.run(Batch(prefill=[seq]))
+        seq.num_computed_tokens = len(seq)
+        self.blocks.commit(seq)
+        self.blocks.free(seq)
+        return len(token_ids) // self.blocks.block_size * self.blocks.block_size

