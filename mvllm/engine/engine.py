@@ -4,6 +4,7 @@ the caller drives it with `step()` (the offline LLM loops, a backend worker proc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size)
         self.requests: dict[str, Sequence] = {}
+        self.on_schedule: Callable[[Batch], None] | None = None
 
     def _blocks_for_budget(self) -> int:
         gb = self.config.kv_cache_gb or DEFAULT_KV_GB[self.device.type]
@@ -120,6 +122,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.on_schedule:
+            self.on_schedule(batch)
         tokens = self.runner.run(batch)
         now = time.time()
         finished = {s.request_id for s in self.scheduler.postprocess(batch, tokens, now)}
