@@ -1,0 +1,211 @@
+"""A backend in its own process, and the one small transport the server uses to talk to it.
+
+Child side: `worker_main` owns an Engine; a control thread answers look-ups at once (cached prefix, load
+snapshot) and queues submit/abort/warm/shutdown for the engine loop, which steps while there is work and
+blocks (no busy waiting) while there is none. Parent side: `ProcessBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from mvllm.backends import BackendSpec
+from mvllm.engine.engine import Engine
+from mvllm.engine.params import SamplingParams
+from mvllm.errors import MvllmError
+
+
+def snapshot(engine: Engine, spec: BackendSpec) -> dict:
+    s, b = engine.scheduler, engine.blocks
+    return {"name": spec.name, "device": spec.device, "dtype": str(engine.dtype).removeprefix("torch."),
+            "quant": spec.quant, "max_active": s.max_active, "running": len(s.running), "waiting": len(s.waiting),
+            "free_blocks": b.num_free, "num_blocks": b.num_blocks, "block_size": b.block_size,
+            "kv_usage": round(b.usage(), 4), "prefix_queries": b.queries, "prefix_hits": b.hits,
+            "preemptions": s.num_preemptions, "max_model_len": engine.max_model_len, "pid": os.getpid()}
+
+
+def worker_main(spec_dict: dict, model: str, commands, events) -> None:
+    spec = BackendSpec(**spec_dict)
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            events.send(msg)
+
+    try:
+        engine = Engine(spec.engine_config(model))
+    except Exception as e:  # reported to the server as one line
+        send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, MvllmError) else str(e)))
+        return
+    inbox: queue.Queue = queue.Queue()
+
+    def control() -> None:
+        while True:
+            try:
+                msg = commands.recv()
+            except (EOFError, OSError):  # the server is gone: stop too
+                inbox.put(("shutdown",))
+                return
+            if msg[0] == "call" and msg[2] == "cached_prefix_len":
+                send(("reply", msg[1], engine.cached_prefix_len(msg[3])))
+            elif msg[0] == "call" and msg[2] == "snapshot":
+                send(("reply", msg[1], snapshot(engine, spec)))
+            else:
+                inbox.put(msg)
+            if msg[0] == "shutdown":
+                return
+
+    threading.Thread(target=control, name="control", daemon=True).start()
+    engine.on_schedule = lambda batch: send(
+        ("scheduled", [(s.request_id, s.num_cached_tokens) for s in batch.prefill], time.time()))
+    send(("ready", snapshot(engine, spec)))
+    while True:
+        try:
+            msg = inbox.get(block=not engine.has_unfinished())
+            while True:
+                if msg[0] == "shutdown":
+                    return
+                _handle(engine, msg, send)
+                msg = inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if engine.has_unfinished():
+            _step(engine, spec, send)
+
+
+def _handle(engine: Engine, msg: tuple, send: Callable) -> None:
+    kind = msg[0]
+    if kind == "submit":
+        _, rid, token_ids, params, arrival = msg
+        try:
+            engine.add_request(token_ids, SamplingParams(**params), rid, arrival)
+        except MvllmError as e:
+            send(("error", rid, str(e)))
+    elif kind == "abort":
+        if engine.abort(msg[1]) is not None:
+            send(("aborted", msg[1]))
+    elif kind == "call" and msg[2] == "warm":
+        try:
+            send(("reply", msg[1], engine.warm(msg[3])))
+        except MvllmError as e:
+            send(("reply", msg[1], e))
+
+
+def _step(engine: Engine, spec: BackendSpec, send: Callable) -> None:
+    try:
+        outs = engine.step()
+    except Exception as e:  # a failing step ends its requests, not the backend
+        traceback.print_exc()
+        for rid in list(engine.requests):
+            engine.abort(rid)
+            send(("error", rid, f"backend {spec.name} failed: {type(e).__name__}: {e}"))
+        return
+    if outs:
+        tokens = [(o.seq.request_id, o.token, o.seq.finish_reason if o.finished else None) for o in outs]
+        send(("step", tokens, time.time(), snapshot(engine, spec)))
+
+
+class ProcessBackend:
+    """The server's handle on one backend worker process."""
+
+    def __init__(self, spec: BackendSpec, model: str):
+        ctx = mp.get_context("spawn")
+        self.spec, self.name = spec, spec.name
+        cmd_recv, self._commands = ctx.Pipe(duplex=False)
+        self._events, evt_send = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=worker_main, args=(spec.as_dict(), model, cmd_recv, evt_send),
+                                   name=f"mvllm-backend-{spec.name}", daemon=True)
+        self.process.start()
+        cmd_recv.close()
+        evt_send.close()
+        self.alive = False
+        self.info: dict = {}
+        self._calls = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the worker has loaded its model (and captured its graphs)."""
+        if not self._events.poll(timeout):
+            raise MvllmError(f"backend {self.name} did not become ready within {timeout:.0f} s")
+        try:
+            kind, payload = self._events.recv()
+        except EOFError:
+            raise MvllmError(f"backend {self.name} exited while loading (exit code {self.process.exitcode})") from None
+        if kind != "ready":
+            raise MvllmError(f"backend {self.name} failed to start: {payload}")
+        self.alive, self.info = True, payload
+
+    def listen(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[str, tuple], None]) -> None:
+        """Forward every event to `on_event(name, msg)` on the event loop; ("dead",) when the process ends."""
+        self._loop = loop
+
+        def read() -> None:
+            while True:
+                try:
+                    msg = self._events.recv()
+                except (EOFError, OSError):
+                    loop.call_soon_threadsafe(on_event, self.name, ("dead",))
+                    return
+                if msg[0] == "reply":
+                    loop.call_soon_threadsafe(self._resolve, msg[1], msg[2])
+                else:
+                    loop.call_soon_threadsafe(on_event, self.name, msg)
+
+        threading.Thread(target=read, name=f"events-{self.name}", daemon=True).start()
+
+    def _resolve(self, call_id: int, value) -> None:
+        fut = self._pending.pop(call_id, None)
+        if fut and not fut.done():
+            fut.set_exception(value) if isinstance(value, Exception) else fut.set_result(value)
+
+    def mark_dead(self) -> None:
+        self.alive = False
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(MvllmError(f"backend {self.name} is down"))
+        self._pending.clear()
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self._commands.send(msg)
+        except (BrokenPipeError, OSError):
+            raise MvllmError(f"backend {self.name} is down") from None
+
+    async def call(self, method: str, *args, timeout: float = 600.0):
+        if not self.alive:
+            raise MvllmError(f"backend {self.name} is down")
+        call_id = next(self._calls)
+        fut = self._loop.create_future()
+        self._pending[call_id] = fut
+        self._send(("call", call_id, method, *args))
+        return await asyncio.wait_for(fut, timeout)
+
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float) -> None:
+        p = {f: getattr(params, f) for f in params.__slots__}
+        self._send(("submit", request_id, token_ids, p, arrival))
+
+    def abort(self, request_id: str) -> None:
+        if self.alive:
+            self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        try:
+            self._commands.send(("shutdown",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()

@@ -1,0 +1,86 @@
+"""Routing policies: each picks one backend name for a whole request."""
+
+from __future__ import annotations
+
+from mvllm.errors import InvalidRequestError
+from mvllm.routing.cost import Candidate
+
+POLICIES = ("mixed", "gpu-only", "cpu-only", "round-robin", "split:K")
+
+
+class Policy:
+    name = ""
+    needs_scores = False
+
+    def choose(self, alive: list[str], candidates: dict[str, Candidate]) -> str:
+        raise NotImplementedError
+
+
+class Mixed(Policy):
+    name, needs_scores = "mixed", True
+
+    def choose(self, alive, candidates):
+        return min(alive, key=lambda b: candidates[b].score)
+
+
+class Only(Policy):
+    def __init__(self, target: str):
+        self.name, self.target = f"{target}-only", target
+
+    def choose(self, alive, candidates):
+        return self.target if self.target in alive else alive[0]
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self, backends: list[str]):
+        self.backends, self.next = backends, 0
+
+    def choose(self, alive, candidates):
+        for _ in range(len(self.backends)):
+            name = self.backends[self.next % len(self.backends)]
+            self.next += 1
+            if name in alive:
+                return name
+        return alive[0]
+
+
+class Split(Policy):
+    """The first K requests of a run go to the cpu backend, the rest to the gpu backend."""
+
+    def __init__(self, k: int):
+        self.name, self.k, self.seen = f"split:{k}", k, 0
+
+    def choose(self, alive, candidates):
+        self.seen += 1
+        target = "cpu" if self.seen <= self.k else "gpu"
+        return target if target in alive else alive[0]
+
+
+def make_policy(text: str, backends: list[str]) -> Policy:
+    """Build a policy from its name; checks that the backends it names exist."""
+
+    def need(*names):
+        for n in names:
+            if n not in backends:
+                raise InvalidRequestError(f"policy {text} needs a backend named {n!r}; backends are "
+                                          f"{', '.join(backends)}", "policy")
+
+    if text == "mixed":
+        return Mixed()
+    if text in ("gpu-only", "cpu-only"):
+        need(text.split("-")[0])
+        return Only(text.split("-")[0])
+    if text == "round-robin":
+        return RoundRobin(list(backends))
+    if text.startswith("split:"):
+        try:
+            k = int(text.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if k < 0:
+            raise InvalidRequestError(f"policy {text!r}: K must be a whole number >= 0, e.g. split:6", "policy")
+        need("cpu", "gpu")
+        return Split(k)
+    raise InvalidRequestError(f"unknown policy {text!r}; known: {', '.join(POLICIES)}", "policy")

@@ -1,0 +1,88 @@
+"""The Router: books each whole request on one backend at the moment it decides, and keeps each
+backend's bookings current from the events its worker sends back."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO
+
+from mvllm.errors import MvllmError
+from mvllm.routing.cost import Booking, Candidate, candidate
+from mvllm.routing.policies import make_policy
+
+
+class NoBackendError(MvllmError):
+    pass
+
+
+class Router:
+    def __init__(self, backends: list[str], policy: str, rates: dict[str, dict] | None = None,
+                 log_path: str | Path | None = None):
+        self.backends = list(backends)
+        self.policy = make_policy(policy, self.backends)
+        self.rates = rates or {}
+        if self.policy.needs_scores:
+            missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
+            if missing:
+                raise MvllmError(f"policy {policy} needs prefill_rate and decode_rate for backend(s) "
+                                 f"{', '.join(missing)}: pass --profile (made by `mvllm profile`)")
+        self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
+        self.alive = {b: True for b in self.backends}
+        self.decisions = {b: 0 for b in self.backends}
+        self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
+
+    def alive_backends(self) -> list[str]:
+        return [b for b in self.backends if self.alive[b]]
+
+    def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int]) -> dict[str, Candidate]:
+        out = {}
+        for b in self.alive_backends():
+            r = self.rates.get(b)
+            if r:
+                out[b] = candidate(b, list(self.bookings[b].values()), prompt_tokens, cached.get(b, 0),
+                                   max_tokens, float(r["prefill_rate"]), float(r["decode_rate"]))
+        return out
+
+    def route(self, request_id: str, prompt_tokens: int, max_tokens: int, cached: dict[str, int]) -> str:
+        """Choose a backend and book the request there. `cached`: each backend's cached prefix now."""
+        alive = self.alive_backends()
+        if not alive:
+            raise NoBackendError("no backend is alive to serve the request")
+        cands = self.candidates(prompt_tokens, max_tokens, cached)
+        choice = self.policy.choose(alive, cands)
+        self.bookings[choice][request_id] = Booking(request_id, prompt_tokens, cached.get(choice, 0), max_tokens)
+        self.decisions[choice] += 1
+        if self.log:
+            self.log.write(json.dumps({
+                "request_id": request_id, "time": time.time(), "policy": self.policy.name, "choice": choice,
+                "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                "candidates": {b: c.as_dict() for b, c in cands.items()}}) + "\n")
+        return choice
+
+    def on_scheduled(self, backend: str, request_id: str, cached_tokens: int) -> None:
+        booking = self.bookings[backend].get(request_id)
+        if booking:
+            booking.active, booking.actual_cached = True, cached_tokens
+
+    def on_tokens(self, backend: str, request_id: str, count: int) -> None:
+        booking = self.bookings[backend].get(request_id)
+        if booking:
+            booking.active = True
+            booking.generated += count
+
+    def on_finished(self, backend: str, request_id: str) -> None:
+        self.bookings[backend].pop(request_id, None)
+
+    def on_dead(self, backend: str) -> list[str]:
+        """Stop choosing a backend; returns the ids of the requests it held."""
+        self.alive[backend] = False
+        held = list(self.bookings[backend])
+        self.bookings[backend].clear()
+        return held
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+            self.log = None

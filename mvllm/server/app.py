@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP server over a Cluster of routed backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from mvllm.engine.params import SamplingParams
+from mvllm.errors import InvalidRequestError, MvllmError
+from mvllm.llm import Tokenizer
+from mvllm.server.cluster import Cluster
+from mvllm.server.protocol import ChatRequest, CompletionRequest, WarmRequest, error
+from mvllm.server.text import Detokenizer
+
+
+def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_size: int,
+              warm_prefix: str | list[int] | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        cluster.start(asyncio.get_running_loop())
+        if warm_prefix:
+            await cluster.warm(tokenizer.encode(warm_prefix))
+        yield
+
+    app = FastAPI(title="mvllm", docs_url=None, redoc_url=None, lifespan=lifespan)
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "json_invalid" or (not loc and first.get("type") in ("model_attributes_type",
+                                                                                     "dict_type")):
+            return error(400, "the request body is not a valid JSON object", None, "invalid_json")
+        return error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
+                     ".".join(loc) or None, "invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404 else
+                     "invalid_request_error")
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad(_, exc: InvalidRequestError):
+        return error(400, str(exc), exc.param, "invalid_value")
+
+    @app.exception_handler(MvllmError)
+    async def _unavailable(_, exc: MvllmError):
+        return error(503, str(exc), kind="service_unavailable", code="backend_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}", kind="internal_error", code="internal_error")
+
+    max_len = min(s["max_model_len"] for s in cluster.snapshots.values())
+    pool = min(s["num_blocks"] * s["block_size"] for s in cluster.snapshots.values())
+
+    def check(body, token_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        if body.model != model_name:
+            raise InvalidRequestError(f"model {body.model!r} is not served here; this server serves "
+                                      f"{model_name!r}", "model")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(f"this model's maximum context length is {max_len} tokens; the prompt "
+                                      f"has {len(token_ids)}", "prompt")
+        default = max_len - len(token_ids)
+        params = body.sampling_params(min(max_tokens, default) if max_tokens else default)
+        if params.max_tokens > default:
+            params.max_tokens = default  # as vLLM: generation stops at the context's end
+        if min(len(token_ids) + params.max_tokens, max_len) > pool:
+            raise InvalidRequestError(f"the request needs more KV cache than a backend holds ({pool} tokens)",
+                                      "max_tokens")
+        return params
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequestError("only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        token_ids = tokenizer.encode(prompt)
+        params = check(body, token_ids, body.max_tokens or 16)
+        return await respond(body, token_ids, params, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        token_ids = tokenizer.apply_chat_template(messages)
+        params = check(body, token_ids, body.max_completion_tokens or body.max_tokens)
+        return await respond(body, token_ids, params, request, chat=True)
+
+    async def respond(body, token_ids, params, request: Request, chat: bool):
+        arrival = time.time()
+        rid, backend = await cluster.submit(token_ids, params, arrival, "chatcmpl" if chat else "cmpl")
+        run = Run(cluster, tokenizer, rid, backend, token_ids, params, arrival)
+        shape = Shape(rid, model_name, backend, chat)
+        headers = {"x-mvllm-backend": backend, "x-request-id": rid}
+        if body.stream:
+            return StreamingResponse(sse(run, shape, body.include_usage), media_type="text/event-stream",
+                                     headers=headers)
+        await until_done(run, request)
+        if run.error:
+            return error(500 if run.tokens else 503, run.error, kind="server_error", code="backend_failed")
+        return JSONResponse(shape.whole(run), headers=headers)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "mvllm", "max_model_len": max_len}]}
+
+    @app.get("/health")
+    async def health():
+        down = [n for n, b in cluster.backends.items() if not b.alive]
+        if down:
+            return JSONResponse({"status": "degraded", "down": down}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(cluster.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/backends")
+    async def backends():
+        return await cluster.snapshot_all()
+
+    @app.post("/v1/warm")
+    async def warm(body: WarmRequest):
+        if body.backend is not None and body.backend not in cluster.backends:
+            raise InvalidRequestError(f"unknown backend {body.backend!r}; backends are "
+                                      f"{', '.join(cluster.backends)}", "backend")
+        ids = tokenizer.encode(body.prompt)
+        if not ids or len(ids) >= max_len:
+            raise InvalidRequestError(f"a warm prefix needs 1 to {max_len - 1} tokens", "prompt")
+        return {"cached_tokens": await cluster.warm(ids, body.backend)}
+
+    return app
+
+
+class Run:
+    """One request in flight: collects tokens and text deltas from its backend's events."""
+
+    def __init__(self, cluster: Cluster, tokenizer: Tokenizer, rid, backend, token_ids, params, arrival):
+        self.cluster, self.rid, self.backend, self.params, self.arrival = cluster, rid, backend, params, arrival
+        self.prompt_tokens = len(token_ids)
+        self.detok = Detokenizer(tokenizer, params.stop)
+        self.tokens: list[int] = []
+        self.cached = 0
+        self.first_token: float | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    async def deltas(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield (text delta, new token ids) until the request ends."""
+        async for ev in self.cluster.events(self.rid):
+            if ev.cached_tokens is not None:
+                self.cached = ev.cached_tokens
+            if ev.error:
+                self.error = ev.error
+                return
+            if ev.token is not None:
+                self.first_token = self.first_token or time.time()
+                self.tokens.append(ev.token)
+                text, stopped = self.detok.add(ev.token, final=ev.finish_reason is not None)
+                if stopped:
+                    self.finish_reason = "stop"
+                    yield text, [ev.token]
+                    self._observe()
+                    return  # leaving the stream aborts the request on its backend
+                yield text, [ev.token]
+            if ev.finish_reason:
+                self.finish_reason = "length" if ev.finish_reason == "length" else "stop"
+                self._observe()
+                return
+
+    def _observe(self) -> None:
+        now = time.time()
+        ttft = self.first_token - self.arrival if self.first_token else None
+        self.cluster.metrics.observe_request(self.backend, self.prompt_tokens, self.cached, len(self.tokens),
+                                             ttft, now - self.arrival)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+                "total_tokens": self.prompt_tokens + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+
+class Shape:
+    """OpenAI response and chunk bodies for completions and chat completions."""
+
+    def __init__(self, rid: str, model: str, backend: str, chat: bool):
+        self.rid, self.model, self.backend, self.chat = rid, model, backend, chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _body(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "backend": self.backend, **extra}
+
+    def whole(self, run: Run) -> dict:
+        text = run.detok.text
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": run.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason,
+                      "token_ids": run.tokens}
+        return self._body(self.object, [choice], usage=run.usage())
+
+    def chunk(self, text: str | None, ids: list[int], finish: str | None, role: bool = False) -> dict:
+        obj = self.object + ".chunk" if self.chat else self.object
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "token_ids": ids}
+        return self._body(obj, [choice])
+
+
+async def until_done(run: Run, request: Request) -> None:
+    """Run a non-streaming request to its end; a client that hangs up aborts it."""
+
+    async def drain():
+        async for _ in run.deltas():
+            pass
+
+    task = asyncio.ensure_future(drain())
+    while not task.done():
+        await asyncio.wait([task], timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            break
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    def line(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    if shape.chat:
+        yield line(shape.chunk(None, [], None, role=True))
+    async for text, ids in run.deltas():
+        yield line(shape.chunk(text, ids, None))
+    if run.error:
+        yield line({"error": {"message": run.error, "type": "server_error", "param": None,
+                              "code": "backend_failed"}})
+    else:
+        yield line(shape.chunk(None, [], run.finish_reason))
+    if include_usage:
+        yield line({**shape._body(shape.object + ".chunk" if shape.chat else shape.object, []),
+                    "usage": run.usage()})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,153 @@
+"""The backends behind the server: starts their workers, routes each request through the Router, and
+turns worker events into per-request streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from mvllm.backends import BackendSpec
+from mvllm.engine.params import SamplingParams
+from mvllm.engine.worker import ProcessBackend
+from mvllm.errors import MvllmError
+from mvllm.routing.router import Router
+from mvllm.server.metrics import Metrics
+
+
+@dataclass(slots=True)
+class Event:
+    """What a request's stream yields: a token, its end, or an error."""
+
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int | None = None
+
+
+class Cluster:
+    def __init__(self, specs: list[BackendSpec], model: str, router: Router):
+        self.model, self.router = model, router
+        self.backends = {s.name: ProcessBackend(s, model) for s in specs}
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.owner: dict[str, str] = {}
+        self.snapshots: dict[str, dict] = {}
+        self.metrics = Metrics(list(self.backends))
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            for backend in self.backends.values():
+                backend.wait_ready(timeout)
+                self.snapshots[backend.name] = backend.info
+        except MvllmError:
+            self.shutdown()
+            raise
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        for backend in self.backends.values():
+            backend.listen(loop, self._on_event)
+
+    def healthy(self) -> bool:
+        return all(b.alive for b in self.backends.values())
+
+    def _on_event(self, name: str, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "scheduled":
+            for rid, cached in msg[1]:
+                self.router.on_scheduled(name, rid, cached)
+                self._put(rid, Event(cached_tokens=cached))
+        elif kind == "step":
+            _, tokens, _, snap = msg
+            self.snapshots[name] = snap
+            self.metrics.observe_snapshot(name, snap)
+            for rid, token, reason in tokens:
+                self.router.on_tokens(name, rid, 1)
+                if reason:
+                    self.router.on_finished(name, rid)
+                self._put(rid, Event(token=token, finish_reason=reason))
+        elif kind in ("error", "aborted"):
+            rid = msg[1]
+            self.router.on_finished(name, rid)
+            self._put(rid, Event(error=msg[2]) if kind == "error" else Event(finish_reason="abort"))
+        elif kind == "dead":
+            self.backends[name].mark_dead()
+            self.metrics.backend_up.labels(name).set(0)
+            for rid in self.router.on_dead(name):
+                self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
+
+    def _put(self, rid: str, event: Event) -> None:
+        stream = self.streams.get(rid)
+        if stream is not None:
+            stream.put_nowait(event)
+
+    async def cached_prefix(self, token_ids: list[int]) -> dict[str, int]:
+        alive = [b for b in self.backends.values() if b.alive]
+        found = await asyncio.gather(*(b.call("cached_prefix_len", token_ids, timeout=30) for b in alive),
+                                     return_exceptions=True)
+        return {b.name: v for b, v in zip(alive, found) if isinstance(v, int)}
+
+    async def submit(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
+                     prefix: str = "cmpl") -> tuple[str, str]:
+        """Route and submit one request; returns (request id, backend name)."""
+        rid = f"{prefix}-{uuid.uuid4().hex[:16]}"
+        cached = await self.cached_prefix(token_ids)
+        name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
+        self.streams[rid] = asyncio.Queue()
+        self.owner[rid] = name
+        self.metrics.routed.labels(name).inc()
+        self.backends[name].submit(rid, token_ids, params, arrival or time.time())
+        return rid, name
+
+    async def events(self, rid: str) -> AsyncIterator[Event]:
+        """Yield the request's events until it ends; abort it on its backend if the consumer goes away."""
+        stream, done = self.streams[rid], False
+        try:
+            while True:
+                event = await stream.get()
+                if event.token is None and event.error is None and event.finish_reason is None:
+                    yield event
+                    continue
+                done = event.error is not None or event.finish_reason is not None
+                yield event
+                if done:
+                    return
+        finally:
+            self.streams.pop(rid, None)
+            name = self.owner.pop(rid, None)
+            if not done and name is not None:
+                self.abort(name, rid)
+
+    def abort(self, name: str, rid: str) -> None:
+        self.router.on_finished(name, rid)
+        try:
+            self.backends[name].abort(rid)
+        except MvllmError:
+            pass
+
+    async def warm(self, token_ids: list[int], backend: str | None = None) -> dict[str, int]:
+        targets = [self.backends[backend]] if backend else [b for b in self.backends.values() if b.alive]
+        done = await asyncio.gather(*(b.call("warm", token_ids) for b in targets))
+        return {b.name: n for b, n in zip(targets, done)}
+
+    async def snapshot_all(self) -> list[dict]:
+        out = []
+        for b in self.backends.values():
+            snap = dict(self.snapshots.get(b.name, {}), name=b.name, device=b.spec.device, alive=b.alive)
+            if b.alive:
+                try:
+                    snap.update(await b.call("snapshot", timeout=10))
+                except (MvllmError, asyncio.TimeoutError):
+                    pass
+            bookings = self.router.bookings[b.name].values()
+            snap["routed"] = self.router.decisions[b.name]
+            snap["booked_queued"] = sum(not x.active for x in bookings)
+            snap["booked_active"] = sum(x.active for x in bookings)
+            out.append(snap)
+        return out
+
+    def shutdown(self) -> None:
+        for b in self.backends.values():
+            b.shutdown()
+        self.router.close()

@@ -1,0 +1,50 @@
+"""Prometheus metrics for /metrics, named like vLLM's where one exists."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class Metrics:
+    def __init__(self, backends: list[str]):
+        r = self.registry = CollectorRegistry()
+        b = ["backend"]
+        self.backend_up = Gauge("mvllm_backend_up", "1 while the backend's worker process is alive", b, registry=r)
+        self.running = Gauge("mvllm_num_requests_running", "Requests running on the backend", b, registry=r)
+        self.waiting = Gauge("mvllm_num_requests_waiting", "Requests waiting on the backend", b, registry=r)
+        self.kv_usage = Gauge("mvllm_kv_cache_usage_perc", "Fraction of KV blocks in use", b, registry=r)
+        self.prefix_queries = Gauge("mvllm_prefix_cache_queries", "Prefix-cache look-ups at admission", b, registry=r)
+        self.prefix_hits = Gauge("mvllm_prefix_cache_hits", "Admissions that found a cached prefix", b, registry=r)
+        self.routed = Counter("mvllm_routing_decisions", "Requests the router placed on each backend", b, registry=r)
+        self.prompt_tokens = Counter("mvllm_prompt_tokens", "Prompt tokens of finished requests", b, registry=r)
+        self.cached_tokens = Counter("mvllm_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     b, registry=r)
+        self.generation_tokens = Counter("mvllm_generation_tokens", "Generated tokens", b, registry=r)
+        self.ttft = Histogram("mvllm_time_to_first_token_seconds", "Time to first token", b, buckets=BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("mvllm_e2e_request_latency_seconds", "End-to-end request latency", b,
+                             buckets=BUCKETS, registry=r)
+        for name in backends:
+            self.backend_up.labels(name).set(1)
+            self.routed.labels(name)
+
+    def observe_snapshot(self, name: str, snap: dict) -> None:
+        self.running.labels(name).set(snap["running"])
+        self.waiting.labels(name).set(snap["waiting"])
+        self.kv_usage.labels(name).set(snap["kv_usage"])
+        self.prefix_queries.labels(name).set(snap["prefix_queries"])
+        self.prefix_hits.labels(name).set(snap["prefix_hits"])
+
+    def observe_request(self, name: str, prompt: int, cached: int, generated: int, ttft: float | None,
+                        e2e: float) -> None:
+        self.prompt_tokens.labels(name).inc(prompt)
+        self.cached_tokens.labels(name).inc(cached)
+        self.generation_tokens.labels(name).inc(generated)
+        if ttft is not None:
+            self.ttft.labels(name).observe(ttft)
+        self.e2e.labels(name).observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,78 @@
+"""`mvllm serve`: start the backend workers, wait until every one is ready, then serve HTTP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from mvllm.backends import BackendSpec, parse_backends
+from mvllm.errors import InvalidRequestError
+from mvllm.llm import Tokenizer
+from mvllm.model.loader import load_tokenizer, resolve
+from mvllm.routing.router import Router
+from mvllm.server.app import build_app
+from mvllm.server.cluster import Cluster
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+def read_rates(profile: str | None) -> dict[str, dict] | None:
+    if not profile:
+        return None
+    from mvllm.profile import load_profile
+
+    return load_profile(profile)["backends"]
+
+
+def read_prefix(path: str | None) -> str | list[int] | None:
+    """A warm-prefix file holds text, or a JSON list of token ids."""
+    if not path:
+        return None
+    text = Path(path).read_text()
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+        return ids
+    raise InvalidRequestError(f"{path}: a warm prefix is text or a JSON list of token ids", "warm_prefix")
+
+
+def default_threads(specs: list[BackendSpec]) -> None:
+    """Share the cores: CPU backends without a thread count split what the GPU workers leave."""
+    cpu = [s for s in specs if s.device == "cpu" and s.threads is None]
+    others = len(specs) - len([s for s in specs if s.device == "cpu"])
+    for s in cpu:
+        s.threads = max(1, ((os.cpu_count() or 1) - others) // len(cpu))
+    for s in specs:
+        if s.device != "cpu" and s.threads is None:
+            s.threads = 1
+
+
+def serve(model: str, backends: str, policy: str, profile: str | None, max_active: int | None, host: str,
+          port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float) -> None:
+    import uvicorn
+
+    specs = parse_backends(backends, max_active)
+    router = Router([s.name for s in specs], policy, read_rates(profile), routing_log)
+    prefix = read_prefix(warm_prefix)
+    source = resolve(model)
+    tokenizer = Tokenizer(load_tokenizer(source), model)
+    if prefix is not None:
+        tokenizer.encode(prefix)
+    default_threads(specs)
+    cluster = Cluster(specs, model, router)
+    try:
+        with console.status(f"starting {len(specs)} backends for {model}"):
+            cluster.wait_ready(ready_timeout)
+        app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix)
+        names = ", ".join(f"{s.name}={s.device}" for s in specs)
+        console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        cluster.shutdown()
