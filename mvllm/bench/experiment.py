@@ -1,0 +1,219 @@
+"""Experiment files: TOML that names the model, backends, profile, policies, runs and workload.
+
+    name = "paper-8"
+    model = "synthetic:qwen2.5-0.5b"
+    backends = "default"            # or a backend spec, e.g. "gpu=cuda,cpu=cpu/quant=int8"
+    max_active = 4
+    profile = "auto"                # a profile JSON, "auto" (run `mvllm profile` once), or absent
+    policies = ["gpu-only", "mixed"]
+    runs = 3
+    [workload]
+    requests = 8
+    prefix_tokens = 496
+    suffix_tokens = 20
+    output_tokens = 128
+    arrival = "fixed"               # fixed (interval s) | poisson (rate req/s) | gamma (rate, burstiness)
+    interval = 0.05
+    [sweep]                         # optional: one knob, several values
+    knob = "workload.suffix_tokens"
+    values = [20, 100, 500]
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from mvllm.errors import MvllmError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ARRIVALS = ("fixed", "poisson", "gamma")
+POLICIES = ("mixed", "gpu-only", "cpu-only", "round-robin", "split:K")
+
+
+class ExperimentError(MvllmError):
+    pass
+
+
+@dataclass(slots=True)
+class Workload:
+    requests: int = 8
+    prefix_tokens: int = 496
+    suffix_tokens: int = 20
+    output_tokens: int = 128
+    arrival: str = "fixed"
+    interval: float = 0.05
+    rate: float | None = None
+    burstiness: float = 1.0
+    seed: int = 0
+    warm: bool = True
+    vocab: int | None = None
+
+    @property
+    def request_rate(self) -> float:
+        return self.rate if self.rate is not None else 1.0 / self.interval
+
+
+@dataclass(slots=True)
+class Sweep:
+    knob: str
+    values: list
+
+
+@dataclass(slots=True)
+class Experiment:
+    name: str
+    model: str
+    backends: str = "default"
+    max_active: int | None = 4
+    profile: str | None = None
+    policies: list[str] = field(default_factory=lambda: ["gpu-only", "mixed"])
+    runs: int = 3
+    ready_timeout: float = 600.0
+    request_timeout: float = 600.0
+    description: str = ""
+    workload: Workload = field(default_factory=Workload)
+    sweep: Sweep | None = None
+    path: Path | None = None
+
+    def points(self) -> list[tuple[object, Experiment]]:
+        """(knob value, experiment with that value applied); one point (None, self) without a sweep."""
+        if self.sweep is None:
+            return [(None, self)]
+        return [(v, apply(self, self.sweep.knob, v)) for v in self.sweep.values]
+
+
+def check_policy(name: str) -> str:
+    if name in POLICIES[:-1] or re.fullmatch(r"split:\d+", name):
+        return name
+    raise ExperimentError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def load(path: str | Path) -> Experiment:
+    path = Path(path)
+    if not path.is_file():
+        raise ExperimentError(f"experiment file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ExperimentError(f"{path}: not valid TOML: {e}") from None
+    exp = from_dict(data, str(path))
+    exp.path = path
+    return exp
+
+
+def from_dict(data: dict, where: str = "experiment") -> Experiment:
+    data = dict(data)
+    workload = _build(Workload, data.pop("workload", {}), where, "workload.")
+    sweep_data = data.pop("sweep", None)
+    for key in ("name", "model"):
+        if key not in data:
+            raise ExperimentError(f"{where}: missing key {key!r}")
+    exp = _build(Experiment, data, where, "", skip=("workload", "sweep", "path"))
+    exp.workload = workload
+    if sweep_data is not None:
+        exp.sweep = _build(Sweep, sweep_data, where, "sweep.")
+        if not exp.sweep.values:
+            raise ExperimentError(f"{where}: key 'sweep.values' needs at least one value")
+        for v in exp.sweep.values:
+            apply(exp, exp.sweep.knob, v, where)
+    check(exp, where)
+    return exp
+
+
+def check(exp: Experiment, where: str = "experiment") -> None:
+    w = exp.workload
+    rules = [
+        (exp.runs >= 1, "runs", "must be at least 1"),
+        (bool(exp.policies), "policies", "needs at least one policy"),
+        (exp.max_active is None or exp.max_active >= 1, "max_active", "must be at least 1"),
+        (exp.ready_timeout > 0, "ready_timeout", "must be positive"),
+        (exp.request_timeout > 0, "request_timeout", "must be positive"),
+        (w.requests >= 1, "workload.requests", "must be at least 1"),
+        (w.prefix_tokens >= 0, "workload.prefix_tokens", "must be 0 or more"),
+        (w.suffix_tokens >= 0, "workload.suffix_tokens", "must be 0 or more"),
+        (w.prefix_tokens + w.suffix_tokens >= 1, "workload.suffix_tokens", "prompt must have a token"),
+        (w.output_tokens >= 1, "workload.output_tokens", "must be at least 1"),
+        (w.arrival in ARRIVALS, "workload.arrival", f"must be one of {', '.join(ARRIVALS)}"),
+        (w.interval >= 0, "workload.interval", "must be 0 or more"),
+        (w.rate is None or w.rate > 0, "workload.rate", "must be positive"),
+        (w.arrival == "fixed" or w.rate is not None or w.interval > 0, "workload.rate",
+         "is needed for poisson/gamma arrivals"),
+        (w.burstiness > 0, "workload.burstiness", "must be positive"),
+        (w.vocab is None or w.vocab >= 64, "workload.vocab", "must be at least 64"),
+    ]
+    for ok, key, msg in rules:
+        if not ok:
+            raise ExperimentError(f"{where}: key {key!r} {msg}")
+    for p in exp.policies:
+        try:
+            check_policy(p)
+        except ExperimentError as e:
+            raise ExperimentError(f"{where}: key 'policies': {e}") from None
+
+
+def apply(exp: Experiment, knob: str, value, where: str = "experiment") -> Experiment:
+    """A copy of `exp` with one knob ("runs", "max_active", "workload.suffix_tokens", ...) set to value."""
+    new = copy.deepcopy(exp)
+    target, key = (new.workload, knob[9:]) if knob.startswith("workload.") else (new, knob)
+    names = {f.name: f for f in fields(target)}
+    if key not in names or key in ("workload", "sweep", "path", "name"):
+        raise ExperimentError(f"{where}: key 'sweep.knob': {knob!r} is not a setting that can be swept")
+    setattr(target, key, _typed(names[key], value, where, f"sweep.values ({knob})"))
+    check(new, where)
+    return new
+
+
+def _build(cls, data, where: str, prefix: str, skip=()):
+    if not isinstance(data, dict):
+        raise ExperimentError(f"{where}: key {prefix.rstrip('.')!r} must be a table")
+    names = {f.name: f for f in fields(cls) if f.name not in skip}
+    values = {}
+    for key, value in data.items():
+        if key not in names:
+            known = ", ".join(prefix + n for n in names)
+            raise ExperimentError(f"{where}: unknown key {prefix + key!r}; known: {known}")
+        values[key] = _typed(names[key], value, where, prefix + key)
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ExperimentError(f"{where}: {e}") from None
+
+
+def _typed(f, value, where: str, key: str):
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    optional = "None" in kind
+    if value is None and optional:
+        return None
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "list": lambda v: isinstance(v, list),
+    }
+    base = kind.replace(" | None", "")
+    check = ok.get(base)
+    if check is not None and not check(value):
+        raise ExperimentError(f"{where}: key {key!r} must be {_article(base)}, got {value!r}")
+    return float(value) if base == "float" else value
+
+
+def _article(kind: str) -> str:
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+            "list[str]": "a list of strings", "list": "a list"}.get(kind, kind)
+
+
+def default(model: str | None = None) -> Experiment:
+    """The reference workload (seed/BRIEF.md) on the default model and the default backends, one run
+    per policy: what `mvllm bench` does without an experiment file."""
+    from mvllm.model.loader import DEFAULT_MODEL
+
+    return Experiment(name="default", model=model or DEFAULT_MODEL, runs=1)

@@ -1,0 +1,133 @@
+"""Run folders on disk and the aggregate over runs.
+
+    results/<experiment>/experiment.toml           the experiment as given (plus experiment.json, resolved)
+    results/<experiment>/<run-id>/summary.json     run metadata + vLLM-named metrics
+    results/<experiment>/<run-id>/requests.csv     one row per request
+    results/<experiment>/<run-id>/routing.jsonl    the server's routing log (managed runs)
+    results/<experiment>/<run-id>/env.json         devices, CPU, versions, git commit, command line
+    results/<experiment>/<run-id>/server.log       the server's own log
+    results/<experiment>/aggregate.json|csv         mean and spread per policy, change against gpu-only
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from mvllm.bench.metrics import RequestRecord
+from mvllm.errors import MvllmError
+
+CSV_COLUMNS = ("id", "backend", "arrival", "sent", "first_token", "finish", "ttft_ms", "tpot_ms", "e2el_ms",
+               "prompt_tokens", "cached_tokens", "output_tokens", "error", "itl_ms")
+BASELINE = "gpu-only"
+
+
+class ResultsError(MvllmError):
+    pass
+
+
+def run_id(policy: str, run: int, knob: str | None = None, value=None) -> str:
+    name = f"{policy}-run{run}"
+    if knob is not None:
+        name = f"{knob.split('.')[-1]}={value}-{name}"
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
+
+
+def write_requests(path: Path, records: list[RequestRecord]) -> None:
+    def ms(x):
+        return "" if x is None else repr(1000.0 * x)
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for r in records:
+            ok = r.ok
+            w.writerow([r.id, r.backend, repr(r.arrival), _num(r.sent), _num(r.first_token), _num(r.finish),
+                        ms(r.ttft) if ok else "", ms(r.tpot) if ok else "", ms(r.e2el) if ok else "",
+                        r.prompt_tokens, "" if r.cached_tokens is None else r.cached_tokens, r.output_tokens,
+                        r.error, " ".join(f"{1000.0 * x:.4f}" for x in r.itl)])
+
+
+def _num(x) -> str:
+    return "" if x is None else repr(x)
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ResultsError(f"cannot read {path}: {e}") from None
+
+
+def runs_in(folder: Path) -> list[dict]:
+    """Every run summary under an experiment folder, each with its folder under key "_dir"."""
+    out = []
+    for p in sorted(folder.glob("*/summary.json")):
+        s = read_json(p)
+        s["_dir"] = p.parent
+        out.append(s)
+    return out
+
+
+def experiments_in(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*/summary.json"))) if root.is_dir() else []
+
+
+def _numeric(s: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in s.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("run", "value")}
+
+
+def _key(s: dict):
+    return (s.get("value"), s["policy"])
+
+
+def aggregate(summaries: list[dict]) -> list[dict]:
+    """One row per (sweep value, policy): mean, std, min, max over runs of every numeric metric, the
+    per-run backend counts, and each metric's mean change in percent against gpu-only (same value)."""
+    groups: dict = {}
+    for s in summaries:
+        groups.setdefault(_key(s), []).append(s)
+    rows = []
+    for (value, policy), runs in groups.items():
+        metrics = {}
+        names = sorted({k for s in runs for k in _numeric(s)})
+        for k in names:
+            xs = [_numeric(s)[k] for s in runs if k in _numeric(s)]
+            metrics[k] = {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+                          "min": min(xs), "max": max(xs), "n": len(xs)}
+        rows.append({"value": value, "policy": policy, "runs": len(runs), "knob": runs[0].get("knob"),
+                     "metrics": metrics, "backend_requests": [s.get("backend_requests", {}) for s in runs]})
+    by_key = {(r["value"], r["policy"]): r for r in rows}
+    for r in rows:
+        base = by_key.get((r["value"], BASELINE))
+        r["change_vs_gpu_only"] = {}
+        if base is None:
+            continue
+        for k, m in r["metrics"].items():
+            b = base["metrics"].get(k, {}).get("mean")
+            if b and not math.isclose(b, 0.0):
+                r["change_vs_gpu_only"][k] = 100.0 * (m["mean"] - b) / b
+    return sorted(rows, key=lambda r: (str(r["value"]), r["policy"] != BASELINE, r["policy"]))
+
+
+def write_aggregate(folder: Path) -> list[dict]:
+    rows = aggregate(runs_in(folder))
+    write_json(folder / "aggregate.json", rows)
+    with open(folder / "aggregate.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("knob", "value", "policy", "metric", "mean", "std", "min", "max", "runs", "change_vs_gpu_only_pct"))
+        for r in rows:
+            for k, m in r["metrics"].items():
+                ch = r["change_vs_gpu_only"].get(k)
+                w.writerow((r["knob"] or "", "" if r["value"] is None else r["value"], r["policy"], k, m["mean"],
+                            m["std"], m["min"], m["max"], m["n"], "" if ch is None else ch))
+    return rows

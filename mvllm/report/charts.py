@@ -1,0 +1,138 @@
+"""Charts over runs: batch completion time per policy, latency distributions, and sweeps."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+
+from mvllm.report.load import Results
+from mvllm.report.style import figure, policy_color, save, title
+
+SWEEP_METRICS = (  # (summary key, axis label, scale)
+    ("makespan", "batch completion time (s)", 1.0),
+    ("output_throughput", "output throughput (tokens/s)", 1.0),
+    ("median_ttft_ms", "median TTFT (ms)", 1.0),
+    ("p95_e2el_ms", "p95 end-to-end latency (s)", 1e-3),
+)
+
+
+def suffix(res: Results, value) -> str:
+    return "" if res.knob is None else f"-{res.knob.split('.')[-1]}={value}"
+
+
+def _jitter(n: int, width: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [0.0] if n == 1 else [rng.uniform(-width, width) for _ in range(n)]
+
+
+def makespan(res: Results, path) -> None:
+    """Bars: mean batch completion time per policy (per sweep value); dots: every run."""
+    pols, vals = res.policies, res.values
+    fig, axes = figure(width=max(5.5, 1.3 * len(pols) * len(vals) + 2), height=4.8)
+    ax = axes[0][0]
+    width = 0.8 / len(pols)
+    top = 0.0
+    for j, p in enumerate(pols):
+        for i, v in enumerate(vals):
+            xs = [r.summary["makespan"] for r in res.select(p, v)]
+            if not xs:
+                continue
+            x = (i if res.knob else 0) + (j - (len(pols) - 1) / 2) * width
+            mean = float(np.mean(xs))
+            top = max(top, mean, *xs)
+            ax.bar(x, mean, width * 0.85, color=policy_color(p, pols), alpha=0.85,
+                   label=p if i == 0 else None, zorder=2)
+            ax.scatter([x + d for d in _jitter(len(xs), width * 0.18, i * 31 + j)], xs, s=22, color="black",
+                       zorder=3, label="one run" if i == 0 and j == 0 else None)
+            ax.annotate(f"{mean:.2f} s", (x, mean), xytext=(0, 3), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=9)
+    if res.knob:
+        ax.set_xticks(range(len(vals)), [str(v) for v in vals])
+        ax.set_xlabel(res.knob)
+    else:
+        ax.set_xticks([(j - (len(pols) - 1) / 2) * width for j in range(len(pols))], pols)
+        ax.set_xlabel("policy")
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1)
+    ax.set_ylabel("batch completion time (s)")
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    n = max(len(res.select(p, v)) for p in pols for v in vals)
+    ax.set_title(title(res, f"Batch completion time: mean of runs (bars), each run (dots), up to {n} runs"),
+                 loc="left")
+    save(fig, path)
+
+
+def _ecdf(ax, values: list[float], color: str, label: str) -> None:
+    xs = np.sort(np.asarray(values, dtype=float))
+    ys = np.arange(1, len(xs) + 1) / len(xs)
+    ax.step(np.concatenate([[xs[0]], xs]), np.concatenate([[0.0], ys]), where="post", color=color, lw=2,
+            label=label)
+
+
+def latency(res: Results, path, value=None) -> None:
+    """Distributions (empirical CDF over every request of every run) of TTFT and end-to-end latency;
+    the dotted lines mark the median and the 95th percentile."""
+    pols = res.policies
+    fig, axes = figure(1, 2, width=12, height=4.6)
+    for ax, (col, label, scale) in zip(axes[0], (("ttft_ms", "time to first token (ms)", 1.0),
+                                                 ("e2el_ms", "end-to-end latency (s)", 1e-3)), strict=True):
+        for p in pols:
+            runs = res.select(p, value)
+            xs = [x * scale for r in runs for x in r.requests[col].dropna().tolist()]
+            if not xs:
+                continue
+            med, p95 = np.percentile(xs, 50), np.percentile(xs, 95)
+            _ecdf(ax, xs, policy_color(p, pols), f"{p}: median {med:.3g}, p95 {p95:.3g}")
+        for q, name in ((0.5, "median"), (0.95, "p95")):
+            ax.axhline(q, color="grey", ls=":", lw=1)
+            ax.annotate(name, (1.0, q), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                        textcoords="offset points", va="center", fontsize=8, color="grey")
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, loc="lower right", fontsize=8)
+    what = "TTFT and end-to-end latency, every request of every run"
+    if res.knob:
+        what += f" ({res.knob} = {value})"
+    fig.suptitle(title(res, what), x=0.01, ha="left")
+    fig.tight_layout()
+    save(fig, path)
+
+
+def _numeric(values: list) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def sweep(res: Results, path) -> None:
+    """Each metric against the swept knob, per policy: mean of runs, bars for the standard deviation."""
+    pols, vals = res.policies, res.values
+    numeric = _numeric(vals)
+    xs = vals if numeric else list(range(len(vals)))
+    fig, axes = figure(2, 2, width=12, height=8)
+    for ax, (key, label, scale) in zip(axes.flat, SWEEP_METRICS, strict=True):
+        for p in pols:
+            means, stds, pts = [], [], []
+            for x, v in zip(xs, vals, strict=True):
+                ys = [r.summary[key] * scale for r in res.select(p, v) if r.summary.get(key) is not None]
+                means.append(float(np.mean(ys)) if ys else math.nan)
+                stds.append(float(np.std(ys, ddof=1)) if len(ys) > 1 else 0.0)
+                pts += [(x, y) for y in ys]
+            color = policy_color(p, pols)
+            ax.errorbar(xs, means, yerr=stds, color=color, marker="o", lw=2, capsize=3, label=p)
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), color=color, s=10, alpha=0.5)
+        ax.set_xlabel(res.knob)
+        ax.set_ylabel(label)
+        if not numeric:
+            ax.set_xticks(xs, [str(v) for v in vals])
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(frameon=False)
+    fig.suptitle(title(res, f"Metrics against {res.knob}: mean of runs, standard deviation as error bars"),
+                 x=0.01, ha="left")
+    fig.tight_layout()
+    save(fig, path)

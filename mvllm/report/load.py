@@ -1,0 +1,102 @@
+"""Read one experiment's results folder: run summaries, per-request CSVs, routing logs, environments."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from mvllm.bench.results import ResultsError, read_json, runs_in
+
+
+@dataclass(slots=True)
+class Run:
+    summary: dict
+    requests: pd.DataFrame
+    routing: list[dict]
+    env: dict
+
+    @property
+    def policy(self) -> str:
+        return self.summary["policy"]
+
+    @property
+    def value(self):
+        return self.summary.get("value")
+
+
+@dataclass(slots=True)
+class Results:
+    folder: Path
+    name: str
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def first(self) -> Run:
+        return self.runs[0]
+
+    @property
+    def knob(self) -> str | None:
+        return self.first.summary.get("knob")
+
+    @property
+    def policies(self) -> list[str]:
+        return list(dict.fromkeys(r.policy for r in self.runs))
+
+    @property
+    def values(self) -> list:
+        return list(dict.fromkeys(r.value for r in self.runs))
+
+    @property
+    def backends(self) -> list[str]:
+        names = []
+        for r in self.runs:
+            spec = r.summary.get("backends") or ""
+            names += [p.split("=", 1)[0] for p in spec.split(",") if "=" in p]
+            names += list(r.summary.get("backend_requests", {}))
+        return list(dict.fromkeys(n for n in names if n))
+
+    def select(self, policy: str | None = None, value=None, any_value: bool = False) -> list[Run]:
+        return [r for r in self.runs if (policy is None or r.policy == policy) and (any_value or r.value == value)]
+
+    def typical(self, policy: str, value=None) -> Run | None:
+        """The run whose batch completion time is the median of its group (the one drawn in detail)."""
+        runs = sorted(self.select(policy, value), key=lambda r: r.summary.get("makespan") or 0.0)
+        return runs[(len(runs) - 1) // 2] if runs else None
+
+
+def _routing(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut short when the server stopped
+    return out
+
+
+def load(folder: Path) -> Results:
+    if not folder.is_dir():
+        raise ResultsError(f"results folder {folder} does not exist")
+    summaries = runs_in(folder)
+    if not summaries:
+        raise ResultsError(f"{folder} holds no runs (no */summary.json); run `mvllm bench` first")
+    res = Results(folder, summaries[0].get("experiment") or folder.name)
+    for s in summaries:
+        d: Path = s.pop("_dir")
+        csv = d / "requests.csv"
+        if not csv.is_file():
+            raise ResultsError(f"{d} has a summary.json but no requests.csv")
+        df = pd.read_csv(csv, keep_default_na=False, na_values={c: [""] for c in
+                         ("sent", "first_token", "finish", "ttft_ms", "tpot_ms", "e2el_ms", "cached_tokens")})
+        df["backend"] = df["backend"].astype(str)
+        df["error"] = df["error"].astype(str)
+        env = read_json(d / "env.json") if (d / "env.json").is_file() else {}
+        res.runs.append(Run(s, df, _routing(d / "routing.jsonl"), env))
+    return res
