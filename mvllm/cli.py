@@ -73,3 +73,55 @@ def generate(
     console.print(f"[dim]{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated; "
                   f"first token {1000 * (t.first_token - t.arrival):.0f} ms, decode {rate:.1f} tok/s "
                   f"({model}, {device}, {llm.engine.dtype})[/dim]", highlight=False)
+
+
+@app.command()
+@one_line_errors
+def bench(
+    experiment: str = typer.Argument(None, help="An experiment file (experiments/*.toml). Without one: the "
+                                                "reference workload on the default model and backends."),
+    policy: str = typer.Option(None, help="Comma-separated policies to run instead of the experiment's: "
+                                          "mixed, gpu-only, cpu-only, round-robin, split:K."),
+    runs: int = typer.Option(None, help="Runs per policy (default: the experiment's)."),
+    out: str = typer.Option(None, help="Results folder (default: results/<experiment name>)."),
+    url: str = typer.Option(None, help="Benchmark this external OpenAI-compatible server instead "
+                                       "(e.g. http://127.0.0.1:8000); nothing is started or warmed."),
+    model: str = typer.Option(None, help="Model for the default experiment (ignored with a file)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live display or tables."),
+    json_out: bool = typer.Option(False, "--json", help="Print the aggregate as JSON on stdout."),
+):
+    """Replay a workload against fresh servers, policy against policy, and save what a user would feel:
+    TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
+    import json
+    from pathlib import Path
+
+    from mvllm.bench import experiment as ex
+    from mvllm.bench.runner import bench as run
+
+    exp = ex.load(experiment) if experiment else ex.default(model)
+    policies = [p.strip() for p in policy.split(",") if p.strip()] if policy else None
+    rows = run(exp, Path(out) if out else Path("results") / exp.name, policies, runs, url, console,
+               quiet or json_out)
+    if json_out:
+        print(json.dumps(rows, indent=2, default=str))
+
+
+@app.command()
+@one_line_errors
+def report(
+    folder: str = typer.Argument(None, help="One experiment's results folder (default: every experiment "
+                                            "under results/)."),
+    out: str = typer.Option(None, help="Where charts and summary.md go (default: <folder>/report)."),
+):
+    """Draw the charts (PNG) and write a markdown summary from saved results alone."""
+    from pathlib import Path
+
+    from mvllm.report import report_all
+
+    for path in report_all(Path(folder) if folder else None, Path(out) if out else None):
+        console.print(f"wrote {path}", highlight=False)
+
+
+
+if __name__ == "__main__":
+    app()
