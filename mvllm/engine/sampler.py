@@ -11,6 +11,12 @@ from mvllm.engine.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits [B, V] float32 -> one token id per sequence."""
+    early = [(i, s.early_stop_ids) for i, s in enumerate(seqs)
+             if s.early_stop_ids and s.num_output_tokens < s.params.min_tokens]
+    if early:
+        logits = logits.clone()
+        for i, ids in early:
+            logits[i, ids] = float("-inf")
     tokens = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params

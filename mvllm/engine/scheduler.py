@@ -35,6 +35,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        p = seq.params
+        if p.min_tokens > 0:
+            seq.early_stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

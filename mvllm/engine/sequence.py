@@ -43,6 +43,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.estimated_cached_tokens = 0
         self.finish_reason: str | None = None
+        self.early_stop_ids: list[int] = []  # masked from sampling until min_tokens outputs exist
         self.generator = None
         self.times = Times(arrival=arrival if arrival is not None else time.time())
 

