@@ -176,12 +176,16 @@ def test_client_disconnect_returns_blocks_to_the_pool(mixed):
 
 @pytest.mark.parametrize("policy,expect_cpu", [("gpu-only", 0), ("split:3", 3)])
 def test_static_policies_place_requests(tmp_path, policy, expect_cpu):
-    server = start(tmp_path, "--policy", policy)
+    prefix = list(range(200, 248))  # 3 full blocks, warmed on every backend at start
+    (tmp_path / "prefix.json").write_text(json.dumps(prefix))
+    server = start(tmp_path, "--policy", policy, "--warm-prefix", str(tmp_path / "prefix.json"))
     try:
-        placed = [complete(server, max_tokens=2).json()["backend"] for _ in range(6)]
+        bodies = [complete(server, prompt=prefix + [i, i + 1], max_tokens=2).json() for i in range(6)]
+        placed = [b["backend"] for b in bodies]
         assert placed.count("cpu") == expect_cpu
         if policy.startswith("split"):
             assert placed[:3] == ["cpu"] * 3
+        assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] == 48 for b in bodies)
     finally:
         server.stop()
 
