@@ -1,4 +1,7 @@
-"""Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples."""
+"""Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples.
+
+On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs; larger
+steps, and every step on CPU and MPS, run eagerly."""
 
 from __future__ import annotations
 
@@ -12,11 +15,17 @@ from mvllm.model.decoder import Decoder
 
 class ModelRunner:
     def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, num_blocks: int,
-                 block_size: int):
+                 block_size: int, graphs: bool = False, max_active: int = 4, max_model_len: int = 4096):
         cfg = model.cfg
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
-        shape = (2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        scratch = num_blocks * block_size  # one extra slot: where padded graph rows write their K/V
+        shape = (2, scratch + 1, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.graphs = None
+        if graphs and device.type == "cuda":
+            from mvllm.engine.cuda_graphs import GraphRunner
+
+            self.graphs = GraphRunner(model, self.caches, block_size, max_active, max_model_len, scratch)
 
     @staticmethod
     def kv_bytes_per_token(model_cfg, dtype: torch.dtype) -> int:
@@ -26,14 +35,21 @@ class ModelRunner:
     def run(self, batch: Batch) -> list[int]:
         seqs = batch.seqs
         spans = [(s.num_computed_tokens, len(s)) for s in seqs]
-        ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
-        positions = [p for a, b in spans for p in range(a, b)]
         last, n = [], 0
         for a, b in spans:
             n += b - a
             last.append(n - 1)
+        key = self.graphs.bucket(spans) if self.graphs else None
+        if key is not None:
+            hidden = self.graphs.run(seqs, spans, key)
+        else:
+            hidden = self.forward(seqs, spans)
+        rows = hidden if n == len(seqs) else hidden[torch.tensor(last, device=self.device)]
+        return sample(self.model.logits(rows), seqs)
+
+    def forward(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
+        ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
+        positions = [p for a, b in spans for p in range(a, b)]
         meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device)
         as_long = dict(dtype=torch.long, device=self.device)
-        hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), self.caches, meta)
-        logits = self.model.logits(hidden[torch.tensor(last, **as_long)])
-        return sample(logits, seqs)
+        return self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), self.caches, meta)

@@ -2,7 +2,11 @@
 
 The cache of one layer is a tensor [2, num_slots, kv_heads, head_dim]; slot = block * block_size + offset.
 A batch is flattened to T tokens; `AttnMeta` says where each new token's K/V goes and which slots each
-sequence reads, so one code path serves prefill, decode and a mix of both.
+query reads. Three layouts share one entry point:
+- "causal": every sequence starts cold; each attends to its own new K/V with is_causal SDPA (no gather);
+- "rows": one query row per token (decode, and the CUDA-graph path for any small batch): row t reads
+  gather_index[t] under mask[t];
+- "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq].
 """
 
 from __future__ import annotations
@@ -16,46 +20,47 @@ import torch.nn.functional as F
 @dataclass(slots=True)
 class AttnMeta:
     slot_mapping: torch.Tensor  # [T] slot written by each new token
-    gather_index: torch.Tensor  # [B, Lk] slots read by each sequence (padding masked out)
-    q_index: torch.Tensor  # [B, Lq] row of each sequence's queries in the flat batch (T = padding row)
-    out_index: torch.Tensor  # [T] row of each flat token in the padded [B * Lq] output
-    mask: torch.Tensor  # [B, 1, Lq, Lk] True where a query may attend
-    decode_only: bool = False
+    gather_index: torch.Tensor | None = None  # [B, Lk] slots read by each query group (padding masked out)
+    q_index: torch.Tensor | None = None  # paged: [B, Lq] row of each query in the flat batch (T = padding)
+    out_index: torch.Tensor | None = None  # paged: [T] row of each flat token in the padded [B * Lq] output
+    mask: torch.Tensor | None = None  # [B, 1, Lq, Lk] True where a query may attend; None: all
+    layout: str = "paged"
+    lengths: list[int] | None = None  # causal: new tokens per sequence
+
+    @property
+    def decode_only(self) -> bool:
+        return self.layout == "rows"
 
 
 def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
                device: torch.device) -> AttnMeta:
     """seqs_positions: per sequence (start, end) of the tokens computed now; keys cover [0, end)."""
-    lq = max(e - s for s, e in seqs_positions)
-    lk = max(e for _, e in seqs_positions)
-    slot_mapping, q_rows, out_rows, gathers, starts, ends = [], [], [], [], [], []
-    t = 0
-    total = sum(e - s for s, e in seqs_positions)
-    for b, ((start, end), table) in enumerate(zip(seqs_positions, block_tables)):
-        n = end - start
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(end)]
-        slot_mapping.extend(slots[start:end])
-        gathers.append(slots + [0] * (lk - end))
-        q_rows.append(list(range(t, t + n)) + [total] * (lq - n))
-        out_rows.extend(range(b * lq, b * lq + n))
-        starts.append(start)
-        ends.append(end)
-        t += n
-    starts_t = torch.tensor(starts).view(-1, 1, 1)
-    ends_t = torch.tensor(ends).view(-1, 1, 1)
-    qpos = starts_t + torch.arange(lq).view(1, -1, 1)
-    kpos = torch.arange(lk).view(1, 1, -1)
-    mask = (kpos <= qpos) & (kpos < ends_t)
-    mask[:, :, 0] = True  # padded query rows attend to slot 0 rather than to nothing (no NaN)
+    starts = torch.tensor([s for s, _ in seqs_positions])
+    ends = torch.tensor([e for _, e in seqs_positions])
+    counts = ends - starts
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+    slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)  # [B, width * bs]
+    new = torch.arange(int(counts.max())).unsqueeze(0)
+    valid = new < counts.unsqueeze(1)
+    slot_mapping = slots.gather(1, (starts.unsqueeze(1) + new).clamp(max=slots.shape[1] - 1))[valid]
     as_long = dict(dtype=torch.long, device=device)
-    return AttnMeta(
-        slot_mapping=torch.tensor(slot_mapping, **as_long),
-        gather_index=torch.tensor(gathers, **as_long),
-        q_index=torch.tensor(q_rows, **as_long),
-        out_index=torch.tensor(out_rows, **as_long),
-        mask=mask.unsqueeze(1).to(device),
-        decode_only=lq == 1,
-    )
+    if not bool(starts.any()):
+        return AttnMeta(slot_mapping.to(**as_long), layout="causal", lengths=counts.tolist())
+    lk = int(ends.max())
+    kpos = torch.arange(lk).view(1, 1, -1)
+    if bool((counts == 1).all()):
+        mask = None if bool((ends == lk).all()) else (kpos < ends.view(-1, 1, 1)).unsqueeze(1).to(device)
+        return AttnMeta(slot_mapping.to(**as_long), slots[:, :lk].to(**as_long), mask=mask, layout="rows")
+    lq, total = int(counts.max()), int(counts.sum())
+    first = torch.cumsum(counts, 0) - counts
+    q_index = torch.where(valid, first.unsqueeze(1) + new, total)
+    out_index = (torch.arange(len(counts)).unsqueeze(1) * lq + new)[valid]
+    qpos = starts.view(-1, 1, 1) + new.view(1, -1, 1)
+    mask = (kpos <= qpos) & (kpos < ends.view(-1, 1, 1))
+    mask[:, :, 0] = True  # padded query rows attend to slot 0 rather than to nothing (no NaN)
+    return AttnMeta(slot_mapping.to(**as_long), slots[:, :lk].to(**as_long), q_index.to(**as_long),
+                    out_index.to(**as_long), mask.unsqueeze(1).to(device), "paged")
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
@@ -63,15 +68,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     """q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H * D]."""
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
-    keys = cache[0][meta.gather_index].transpose(1, 2)  # [B, Hkv, Lk, D]
-    values = cache[1][meta.gather_index].transpose(1, 2)
-    if meta.decode_only:
-        queries = q.unsqueeze(2)  # [B, H, 1, D]
-    else:
-        padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
-        queries = padded[meta.q_index].transpose(1, 2)  # [B, H, Lq, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale,
-                                         enable_gqa=True)
-    b, h, lq, d = out.shape
-    out = out.transpose(1, 2).reshape(b * lq, h * d)
-    return out if meta.decode_only else out[meta.out_index]
+    t, h, d = q.shape
+    if meta.layout == "causal":
+        outs = []
+        for qs, ks, vs in zip(*(x.split(meta.lengths) for x in (q, k, v))):
+            outs.append(F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                                       is_causal=True, scale=scale, enable_gqa=True))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out.transpose(0, 1).reshape(t, h * d)
+    keys, values = cache[:, meta.gather_index].transpose(2, 3).unbind(0)  # [B, Hkv, Lk, D] each
+    if meta.layout == "rows":  # a row's query heads grouped by their KV head: no GQA expansion
+        hkv = keys.shape[1]
+        out = F.scaled_dot_product_attention(q.view(t, hkv, h // hkv, d), keys, values, attn_mask=meta.mask,
+                                             scale=scale)
+        return out.reshape(t, h * d)
+    padded = torch.cat([q, q.new_zeros(1, h, d)])
+    queries = padded[meta.q_index].transpose(1, 2)  # [B, H, Lq, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+    b, _, lq, _ = out.shape
+    return out.transpose(1, 2).reshape(b * lq, h * d)[meta.out_index]

@@ -19,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -54,10 +56,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for the positions of one forward pass, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, D]: queries and keys rotated together, in one pass."""
+    cos, sin = rope
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,12 +81,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttnMeta):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
+    def forward(self, x, rope, cache: torch.Tensor, meta: AttnMeta):
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rotate(qk.view(-1, self.heads + self.kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = v.view(-1, self.kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 
@@ -102,8 +108,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+    def forward(self, x, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,8 +128,9 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
                 meta: AttnMeta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.at(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, self.rotary, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
