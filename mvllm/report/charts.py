@@ -46,8 +46,8 @@ def makespan(res: Results, path) -> None:
                    label=p if i == 0 else None, zorder=2)
             ax.scatter([x + d for d in _jitter(len(xs), width * 0.18, i * 31 + j)], xs, s=22, color="black",
                        zorder=3, label="one run" if i == 0 and j == 0 else None)
-            ax.annotate(f"{mean:.2f} s", (x, mean), xytext=(0, 3), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=9)
+            ax.annotate(f"{mean:.2f} s", (x, max(mean, *xs)), xytext=(0, 4), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=9, fontweight="bold")
     if res.knob:
         ax.set_xticks(range(len(vals)), [str(v) for v in vals])
         ax.set_xlabel(res.knob)
@@ -57,9 +57,13 @@ def makespan(res: Results, path) -> None:
     ax.set_ylim(0, top * 1.15 if top > 0 else 1)
     ax.set_ylabel("batch completion time (s)")
     ax.grid(axis="y", alpha=0.3, zorder=0)
-    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    n = max(len(res.select(p, v)) for p in pols for v in vals)
-    ax.set_title(title(res, f"Batch completion time: mean of runs (bars), each run (dots), up to {n} runs"),
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda k: labels[k] == "one run")
+    ax.legend([handles[k] for k in order], [labels[k] for k in order], frameon=False, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    n = sorted({len(res.select(p, v)) for p in pols for v in vals})
+    runs = "/".join(map(str, n)) + (" run" if n == [1] else " runs")
+    ax.set_title(title(res, f"Batch completion time: mean (bars) and each run (dots), {runs} per policy"),
                  loc="left")
     save(fig, path)
 

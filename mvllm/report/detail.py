@@ -3,6 +3,7 @@ every request, and the router's scores at each decision."""
 
 from __future__ import annotations
 
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from mvllm.report.load import Results, Run
@@ -45,10 +46,10 @@ def timeline(res: Results, path, value=None) -> None:
         ax.grid(axis="x", alpha=0.3)
     axes[-1][0].set_xlabel("time since the first request was sent (s)")
     handles = [Patch(color=backend_color(b, backends), label=f"decode on {b}") for b in backends]
-    handles += [Patch(facecolor="grey", alpha=0.25, edgecolor="grey", label="waiting: queued + prefill"),
-                Patch(facecolor="white", edgecolor="black", label="| arrival (scheduled send)")]
+    handles += [Patch(facecolor="grey", alpha=0.25, edgecolor="grey", label="waiting to first token\n(queued + prefill)"),
+                Line2D([], [], color="black", marker="|", ls="none", ms=10, label="arrival (scheduled send)")]
     if any((r.requests["error"] != "").any() for r in runs):
-        handles.append(Patch(color="crimson", label="x failed"))
+        handles.append(Line2D([], [], color="crimson", marker="x", ls="none", ms=8, mew=2, label="failed"))
     axes[0][0].legend(handles=handles, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     what = "Timeline of every request, one run per policy (median batch completion)"
     if res.knob:
