@@ -80,7 +80,7 @@ class BlockManager:
             seq.block_hashes.append(block.hash)
         for _ in range(self.blocks_needed(len(seq)) - len(hit)):
             seq.block_table.append(self._take_free())
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_computed_tokens = len(hit) * self.block_size
 
     def _take_free(self) -> int:
         if self.clean:

@@ -72,8 +72,9 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
-            if seq.times.scheduled is None:
+            if seq.times.scheduled is None:  # first admission; a preempted request keeps its counts
                 seq.times.scheduled = time.time()
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             batch.prefill.append(seq)
         return batch

@@ -1,0 +1,193 @@
+"""Scheduler and engine behaviour: continuous batching, preemption, stopping, abort, sampling, timestamps."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import hf_greedy, prompts, set_eos
+
+from mvllm import LLM, SamplingParams
+from mvllm.engine.engine import Engine, EngineConfig
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def engine(path, **kw) -> Engine:
+    kw.setdefault("num_blocks", 128)
+    return Engine(EngineConfig(str(path), dtype="float32", **kw))
+
+
+def drain(eng: Engine, max_steps: int = 2000) -> int:
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < max_steps, "the engine stopped making progress"
+    return steps
+
+
+@pytest.fixture(scope="module")
+def llama(tiny):
+    return tiny("llama")
+
+
+def test_max_active_bounds_the_running_set(llama):
+    eng = engine(llama[0], max_active=2)
+    reqs = [eng.add_request(p, greedy(n)) for p, n in zip(prompts(10, [3, 9, 20, 4, 12, 6]), [5, 9, 3, 7, 4, 6])]
+    waited = False
+    while eng.has_unfinished():
+        outs = eng.step()
+        assert len(outs) <= 2 and len(eng.scheduler.running) <= 2
+        waited |= len(eng.scheduler.running) == 2 and bool(eng.scheduler.waiting)
+    assert waited
+    assert [len(s.output_ids) for s in reqs] == [5, 9, 3, 7, 4, 6]
+    assert all(s.finish_reason == "length" for s in reqs)
+
+
+def test_tiny_pool_preempts_and_still_matches(llama):
+    """12 blocks of 4 tokens for four requests that each grow to 30 tokens: requests get preempted and
+    recomputed, and every one still finishes with the tokens of an unconstrained run."""
+    path, ref = llama
+    ps, n = prompts(11, [10, 7, 12, 9]), 20
+    big = engine(path, block_size=4, num_blocks=256, max_active=4)
+    small = engine(path, block_size=4, num_blocks=12, max_active=4)
+    want = [big.add_request(p, greedy(n)) for p in ps]
+    got = [small.add_request(p, greedy(n)) for p in ps]
+    drain(big)
+    drain(small)
+    assert big.scheduler.num_preemptions == 0
+    assert small.scheduler.num_preemptions > 0
+    for w, g, p in zip(want, got, ps):
+        assert g.output_ids == w.output_ids == hf_greedy(ref, p, n)
+        assert g.finish_reason == "length"
+        assert g.num_cached_tokens == w.num_cached_tokens == 0
+        assert len(g.times.tokens) == n
+    assert small.blocks.num_free == small.blocks.num_blocks
+
+
+def test_pool_smaller_than_all_prompts_waits_instead_of_failing(llama):
+    path, _ = llama
+    eng = engine(path, block_size=4, num_blocks=8, max_active=4)
+    reqs = [eng.add_request(p, greedy(6)) for p in prompts(12, [20, 20, 20])]
+    drain(eng)
+    assert all(len(s.output_ids) == 6 for s in reqs)
+    assert eng.blocks.num_free == 8
+
+
+@pytest.fixture(scope="module")
+def eos_model(llama, tmp_path_factory):
+    """The tiny Llama with its EOS set to the 4th token it generates for `eos_prompt`."""
+    path, ref = llama
+    prompt = prompts(13, [8])[0]
+    plain = hf_greedy(ref, prompt, 16)
+    eos = plain[3]
+    copy = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(path, copy)
+    set_eos(copy, eos)
+    return LLM(str(copy), dtype="float32", num_blocks=64), prompt, plain, eos
+
+
+def test_stops_on_eos_unless_ignored(eos_model):
+    llm, prompt, plain, eos = eos_model
+    first = plain.index(eos)
+    out = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert out.token_ids == plain[:first + 1] and out.finish_reason == "stop"
+    out = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == plain and out.finish_reason == "length"
+    out = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, min_tokens=first + 2))[0]
+    assert len(out.token_ids) >= first + 2 and eos not in out.token_ids[:first + 2]
+
+
+def test_stop_token_ids_and_max_tokens(eos_model):
+    llm, prompt, plain, _ = eos_model
+    stop = plain[1]
+    out = llm.generate(prompt, greedy(16, stop_token_ids=[stop]))[0]
+    assert out.token_ids == plain[:plain.index(stop) + 1] and out.finish_reason == "stop"
+    for n in (1, 5):
+        out = llm.generate(prompt, greedy(n))[0]
+        assert out.token_ids == plain[:n] and out.finish_reason == "length"
+
+
+def test_context_length_caps_generation(llama):
+    path, ref = llama
+    eng = engine(path, max_model_len=40)
+    prompt = prompts(14, [34])[0]
+    seq = eng.add_request(prompt, greedy(20))
+    drain(eng)
+    assert len(seq.token_ids) == 40 and seq.finish_reason == "length"
+    assert seq.output_ids == hf_greedy(ref, prompt, 6)
+
+
+def test_abort_frees_blocks(llama):
+    eng = engine(llama[0], max_active=2)
+    free0 = eng.blocks.num_free
+    a, b, c = (eng.add_request(p, greedy(30)) for p in prompts(15, [40, 20, 10]))
+    eng.step()
+    eng.step()
+    assert eng.blocks.num_free < free0
+    assert eng.abort(c.request_id) is c and c.finish_reason == "abort"  # still waiting
+    assert eng.abort(a.request_id) is a and a.finish_reason == "abort"  # running, holds blocks
+    assert a.block_table == [] and a.times.finished is not None
+    assert eng.abort(a.request_id) is None
+    eng.abort(b.request_id)
+    assert not eng.has_unfinished()
+    assert eng.blocks.num_free == free0
+    assert eng.step() == []
+    again = eng.add_request(prompts(15, [40])[0], greedy(3))  # the engine serves on after aborts
+    drain(eng)
+    assert len(again.output_ids) == 3 and again.num_cached_tokens == 32
+
+
+def sampled(llm: LLM, prompt, **kw) -> list[int]:
+    return llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, **kw))[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llama):
+    llm = LLM(str(llama[0]), dtype="float32", num_blocks=128)
+    prompt = prompts(16, [12])[0]
+    a = sampled(llm, prompt, temperature=1.5, seed=1)
+    assert sampled(llm, prompt, temperature=1.5, seed=1) == a
+    others = [sampled(llm, prompt, temperature=1.5, seed=s) for s in (2, 3)]
+    assert all(o != a for o in others)
+    assert a != sampled(llm, prompt, temperature=0.0)
+    # the same seed gives the same tokens when batched with other requests
+    outs = llm.generate([prompts(17, [30])[0], prompt, prompts(18, [5])[0]],
+                        SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.5, seed=1))
+    assert outs[1].token_ids == a
+    assert sampled(llm, prompt, temperature=1.5, seed=1, top_k=20, top_p=0.9) == \
+        sampled(llm, prompt, temperature=1.5, seed=1, top_k=20, top_p=0.9)
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llama):
+    llm = LLM(str(llama[0]), dtype="float32", num_blocks=128)
+    for prompt in prompts(19, [5, 23]):
+        want = sampled(llm, prompt, temperature=0.0)
+        assert sampled(llm, prompt, temperature=1.0, top_k=1) == want
+        assert sampled(llm, prompt, temperature=1.0, top_p=1e-6) == want
+
+
+def test_timestamps_are_ordered(llama):
+    eng = engine(llama[0], max_active=2)
+    reqs = [eng.add_request(p, greedy(n)) for p, n in zip(prompts(20, [6, 30, 11]), [4, 8, 5])]
+    drain(eng)
+    for seq in reqs:
+        t = seq.times
+        assert t.arrival <= t.scheduled <= t.first_token == t.tokens[0] <= t.finished
+        assert t.tokens == sorted(t.tokens) and t.tokens[-1] <= t.finished
+        assert len(t.tokens) == seq.num_output_tokens
+    assert reqs[2].times.scheduled >= reqs[0].times.first_token  # it waited for a slot
+
+
+def test_warm_seeds_the_cache(llama):
+    eng = engine(llama[0])
+    prefix = prompts(21, [37])[0]
+    assert eng.cached_prefix_len(prefix + [1]) == 0
+    assert eng.warm(prefix) == 32
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    seq = eng.add_request(prefix + [1, 2, 3], greedy(2))
+    assert seq.estimated_cached_tokens == 32
+    drain(eng)
+    assert seq.num_cached_tokens == 32
