@@ -40,6 +40,14 @@ class Tokenizer:
             raise InvalidRequestError("a prompt must be a string or a list of integer token ids", "prompt")
         return list(prompt)
 
+    def parse_ids(self, text: str) -> list[int]:
+        """Comma-separated token ids, the prompt form for models without a tokenizer."""
+        try:
+            return [int(t) for t in text.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise InvalidRequestError(f"model {self.model_spec} has no tokenizer; give the prompt as comma-separated "
+                                      "token ids, e.g. 1,2,3", "prompt") from None
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.hf is None or not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError(f"model {self.model_spec} has no chat template", "messages")
@@ -58,6 +66,8 @@ class LLM:
         self.tokenizer = Tokenizer(load_tokenizer(self.engine.source), model)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        if not isinstance(prompts, (str, list, tuple)):
+            raise InvalidRequestError("prompts must be a string, a list of token ids, or a list of those", "prompt")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([self.tokenizer.encode(p) for p in prompts], params or SamplingParams())
@@ -66,14 +76,32 @@ class LLM:
         return self._run([self.tokenizer.apply_chat_template(messages)], params or SamplingParams())[0]
 
     def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        params.validate()
+        if params.stop and self.tokenizer.hf is None:
+            raise InvalidRequestError(f"model {self.tokenizer.model_spec} has no tokenizer, so stop strings "
+                                      "cannot be matched; use stop_token_ids", "stop")
         for ids in prompt_ids:
             self.engine.check_prompt(ids, params)
         seqs = [self.engine.add_request(ids, params) for ids in prompt_ids]
+        texts: dict[str, str] = {}
         while self.engine.has_unfinished():
-            self.engine.step()
-        return [self._output(s) for s in seqs]
+            for out in self.engine.step():
+                if params.stop:
+                    self._match_stop(out.seq, out.finished, texts)
+        return [self._output(s, texts.get(s.request_id)) for s in seqs]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _match_stop(self, seq: Sequence, finished: bool, texts: dict[str, str]) -> None:
+        """End a request whose text holds a stop string; its text stops before it, as in vLLM."""
+        text = self.tokenizer.decode(seq.output_ids)
+        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i != -1]
+        if cuts:
+            texts[seq.request_id] = text[:min(cuts)]
+            if not finished:
+                self.engine.abort(seq.request_id)
+            seq.finish_reason = "stop"
+
+    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
         out = seq.output_ids
-        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], out,
-                             self.tokenizer.decode(out), seq.num_cached_tokens, seq.finish_reason, seq.times)
+        text = self.tokenizer.decode(out) if text is None else text
+        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], out, text,
+                             seq.num_cached_tokens, seq.finish_reason, seq.times)

@@ -20,6 +20,7 @@ EOS = VOCAB - 1
 KINDS = {
     "llama": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2),
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
+    "llama-bias": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=4, attention_bias=True),
     "llama3": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2,
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mvllm.errors import InvalidRequestError
@@ -28,17 +29,34 @@ class SamplingParams:
         def bad(param: str, why: str):
             raise InvalidRequestError(f"{param} {why}", param=param)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                bad(name, f"must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be integer token ids, got {self.stop_token_ids!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", f"must be non-empty strings, got {self.stop!r}")
+        if self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+            bad("top_k", f"must be -1 or 0 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

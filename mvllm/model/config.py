@@ -10,6 +10,7 @@ from mvllm.errors import UnsupportedModelError
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     attention_bias: bool = False
+    o_proj_bias: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -42,6 +44,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architecture {archs or d.get('model_type')} is not supported; mvllm runs {names}"
             )
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
+        if d.get("mlp_bias"):
+            raise UnsupportedModelError("MLP biases (mlp_bias=true) are not supported")
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
@@ -64,6 +71,7 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            o_proj_bias=arch == "llama" and bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             eos_token_ids=eos,
             bos_token_id=d.get("bos_token_id"),
@@ -71,10 +79,20 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
-        cfg = cls.from_dict(json.loads((path / "config.json").read_text()))
+        cfg = cls.from_dict(_read_json(path / "config.json"))
         gen = path / "generation_config.json"
         if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = _read_json(gen).get("eos_token_id")
             if eos is not None:
                 cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         return cfg
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedModelError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise UnsupportedModelError(f"{path} does not hold a JSON object")
+    return d

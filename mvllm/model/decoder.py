@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mvllm.errors import UnsupportedModelError
 from mvllm.model.attention import AttnMeta, paged_attention
 from mvllm.model.config import ModelConfig
 
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, cache: torch.Tensor, meta: AttnMeta):
@@ -152,8 +153,13 @@ class Decoder(nn.Module):
                 if attn.qkv_proj.bias is not None:
                     attn.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
                 attn.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
+                if attn.o_proj.bias is not None:
+                    attn.o_proj.bias.copy_(get(p + "self_attn.o_proj.bias"))
                 layer.mlp.gate_up_proj.weight.copy_(
                     torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
                 layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+        unused = [k for k in tensors if k.startswith("model.layers.") or k.endswith(("_proj.weight", "_proj.bias"))]
+        if unused:
+            raise UnsupportedModelError(f"the weights hold tensors this decoder does not use: {', '.join(unused[:3])}")

@@ -64,7 +64,9 @@ def resolve(spec: str) -> ModelSource:
         return _from_dir(spec, gguf_to_dir(path))
     if path.is_dir():
         return _from_dir(spec, path)
-    if path.exists() or spec.count("/") != 1:
+    if path.exists():
+        raise ModelNotFoundError(f"{spec} is a file, not a model directory or a .gguf file")
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
         raise ModelNotFoundError(
             f"model {spec!r} is not a directory, a .gguf file, a hub id, {DEFAULT_MODEL!r} "
             f"or synthetic:<{'|'.join(PRESETS)}>")
@@ -96,7 +98,10 @@ def gguf_to_dir(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # not a GGUF file, or an architecture transformers cannot de-quantize
+        raise UnsupportedModelError(f"could not read {gguf} as a GGUF model: {e}") from None
     from safetensors.torch import save_file
 
     tmp.mkdir(parents=True)
@@ -128,7 +133,12 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -
     if source.synthetic:
         _init_synthetic(model)
     else:
-        model.load_hf_state_dict(_read_safetensors(source.path))
+        try:
+            model.load_hf_state_dict(_read_safetensors(source.path))
+        except KeyError as e:
+            raise UnsupportedModelError(f"{source.path}: the weights lack {e.args[0]}") from None
+        except RuntimeError as e:  # a tensor whose shape does not fit the config
+            raise UnsupportedModelError(f"{source.path}: the weights do not fit config.json ({e})") from None
     return model.to(device=device, dtype=dtype).eval()
 
 
