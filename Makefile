@@ -25,8 +25,13 @@ test: install lint
 lint: install
 	$(BIN)/ruff check mvllm tests
 
+# demo: SmolLM2-135M on a GPU backend and the CPU (two CPU backends without a GPU): `mvllm profile`
+# (run by bench, experiments/demo.toml says profile = "auto"), bench gpu-only against mixed, then report.
 demo: install
 	$(BIN)/mvllm generate "What is the capital of France?" --max-tokens 48
+	$(BIN)/mvllm bench experiments/demo.toml
+	$(BIN)/mvllm report results/demo
+	@echo "demo charts and summary: results/demo/report/ (summary.md, *.png)"
 
 bench-paper: install
 	$(BIN)/mvllm bench experiments/paper-8.toml

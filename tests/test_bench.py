@@ -182,6 +182,12 @@ def test_smoke_experiment_end_to_end(tmp_path):
     mixed = next(r for r in agg if r["policy"] == "mixed")
     assert "makespan" in mixed["change_vs_gpu_only"]
     assert (out / "aggregate.csv").read_text().count("\n") > 10
+    done = subprocess.run([sys.executable, "-m", "mvllm.cli", "report", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("makespan", "latency", "timeline", "scores"):
+        png = out / "report" / f"{name}.png"
+        assert png.stat().st_size > 10_000 and f"![{name}]({name}.png)" in (out / "report" / "summary.md").read_text()
 
 
 def test_url_mode_against_an_external_server(server, tmp_path):

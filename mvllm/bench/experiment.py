@@ -5,6 +5,7 @@
     backends = "default"            # or a backend spec, e.g. "gpu=cuda,cpu=cpu/quant=int8"
     max_active = 4
     profile = "auto"                # a profile JSON, "auto" (run `mvllm profile` once), or absent
+    profile_args = ["--repeats", "3"]   # extra `mvllm profile` options for "auto"
     policies = ["gpu-only", "mixed"]
     runs = 3
     [workload]
@@ -73,6 +74,7 @@ class Experiment:
     backends: str = "default"
     max_active: int | None = 4
     profile: str | None = None
+    profile_args: list[str] = field(default_factory=list)
     policies: list[str] = field(default_factory=lambda: ["gpu-only", "mixed"])
     runs: int = 3
     ready_timeout: float = 600.0

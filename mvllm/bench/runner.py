@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,16 @@ def backend_text(exp: Experiment) -> str:
     return default_backends() if exp.backends == "default" else exp.backends
 
 
+def _matches(path: Path, model: str, backends: str) -> bool:
+    """An earlier auto profile in the results folder is reused only for the same model and backends."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    names = {b.name for b in parse_backends(backends)}
+    return data.get("model") == model and set(data.get("backends", {})) == names
+
+
 def find_profile(exp: Experiment, out: Path, backends: str, console: Console) -> Path | None:
     """The profile the server routes with: a file (relative to the cwd or to the experiment file),
     "auto" (measured once with `mvllm profile` into the results folder), or none."""
@@ -36,9 +47,11 @@ def find_profile(exp: Experiment, out: Path, backends: str, console: Console) ->
         return None
     if exp.profile == "auto":
         path = out / "profile.json"
-        if not path.is_file():
+        if not _matches(path, exp.model, backends):
             cmd = [sys.executable, "-m", "mvllm.cli", "profile", "--model", exp.model, "--backends", backends,
-                   "--out", str(path)]
+                   "--out", str(path), *exp.profile_args]
+            if exp.max_active is not None and "--max-active" not in exp.profile_args:
+                cmd += ["--max-active", str(exp.max_active)]
             console.print(f"[dim]profiling the backends: {' '.join(cmd[2:])}[/dim]", highlight=False)
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0 or not path.is_file():
@@ -48,6 +61,9 @@ def find_profile(exp: Experiment, out: Path, backends: str, console: Console) ->
     for base in (Path.cwd(), exp.path.parent if exp.path else Path.cwd()):
         path = (base / exp.profile).resolve()
         if path.is_file():
+            from mvllm.profile import load_profile
+
+            load_profile(path)
             return path
     raise ExperimentError(f"key 'profile': no profile file {exp.profile!r} (looked relative to the current "
                           f"folder and to the experiment file)")
