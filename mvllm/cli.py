@@ -60,8 +60,7 @@ def generate(
     with console.status(f"loading {model} on {device}"):
         llm = LLM(model, device=device, dtype=dtype)
     if llm.tokenizer.hf is None:
-        ids = [int(t) for t in prompt.replace(" ", "").split(",") if t]
-        out = llm.generate([ids], params)[0]
+        out = llm.generate([llm.tokenizer.parse_ids(prompt)], params)[0]
     elif raw:
         out = llm.generate(prompt, params)[0]
     else:

@@ -19,6 +19,7 @@ from mvllm.model.loader import ModelSource, build_model, resolve
 
 DEFAULT_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "mps": torch.float16}
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 4.0, "mps": 1.0}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -42,11 +43,26 @@ class EngineConfig:
             raise InvalidRequestError(f"threads must be at least 1, got {self.threads}", "threads")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be at least 1, got {self.block_size}", "block_size")
-        device_type = torch.device(self.device).type
+        for name, least in (("num_blocks", 1), ("max_model_len", 2)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise InvalidRequestError(f"{name} must be at least {least}, got {value}", name)
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise InvalidRequestError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}", "kv_cache_gb")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", "dtype")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise InvalidRequestError(f"unknown device {self.device!r}; use cpu, cuda or mps", "device") from None
+        device_type = device.type
         if device_type not in DEFAULT_DTYPES:
             raise InvalidRequestError(f"unknown device {self.device!r}; use cpu, cuda or mps", "device")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError("device cuda was asked for but this machine has no CUDA GPU", "device")
+        if device_type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise InvalidRequestError(f"device {self.device} does not exist; this machine has "
+                                      f"{torch.cuda.device_count()} CUDA GPU(s)", "device")
         if device_type == "mps" and not torch.backends.mps.is_available():
             raise InvalidRequestError("device mps was asked for but this machine has no MPS GPU", "device")
 
