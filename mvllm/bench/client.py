@@ -98,6 +98,8 @@ async def send(http: httpx.AsyncClient, url: str, model: str | None, req: Reques
     except (httpx.HTTPError, OSError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     finally:
+        if not rec.backend and not rec.error:
+            rec.backend = "server"  # a server that does not say which backend served the request
         if rec.chunks:
             rec.finish = rec.chunks[-1]
             if not usage:

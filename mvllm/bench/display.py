@@ -13,12 +13,12 @@ from mvllm.bench.metrics import RequestRecord, percentile
 from mvllm.bench.results import BASELINE
 
 COLUMNS = (  # (metric, header, scale, format)
-    ("makespan", "batch completion (s)", 1.0, "{:.2f}"),
-    ("output_throughput", "output tok/s", 1.0, "{:.1f}"),
-    ("median_ttft_ms", "median TTFT (ms)", 1.0, "{:.0f}"),
-    ("p95_ttft_ms", "p95 TTFT (ms)", 1.0, "{:.0f}"),
-    ("median_e2el_ms", "median E2EL (s)", 1e-3, "{:.2f}"),
-    ("p95_e2el_ms", "p95 E2EL (s)", 1e-3, "{:.2f}"),
+    ("makespan", "batch\ncompletion s", 1.0, "{:.2f}"),
+    ("output_throughput", "output\ntok/s", 1.0, "{:.1f}"),
+    ("median_ttft_ms", "TTFT\nmedian ms", 1.0, "{:.0f}"),
+    ("p95_ttft_ms", "TTFT\np95 ms", 1.0, "{:.0f}"),
+    ("median_e2el_ms", "E2EL\nmedian s", 1e-3, "{:.2f}"),
+    ("p95_e2el_ms", "E2EL\np95 s", 1e-3, "{:.2f}"),
 )
 
 
@@ -69,7 +69,7 @@ def _cell(metric: dict | None, change: float | None, scale: float, fmt: str) -> 
     if metric["n"] > 1:
         text += " ± " + fmt.format(metric["std"] * scale)
     if change is not None:
-        text += f" ({change:+.1f}%)"
+        text += f"\n{change:+.1f}%"
     return text
 
 
@@ -77,20 +77,21 @@ def table(rows: list[dict], title: str) -> Table:
     """Means over runs (± standard deviation), change against gpu-only in brackets, and the number
     of requests each backend served in each run, as in the reference experiment's table."""
     knob = next((r["knob"] for r in rows if r.get("knob")), None)
-    t = Table(title=title, title_justify="left")
+    t = Table(title=title, title_justify="left", caption="mean ± standard deviation over runs; change of the "
+              "mean against gpu-only below", caption_justify="left")
     if knob:
         t.add_column(knob)
     t.add_column("policy")
     t.add_column("runs", justify="right")
     for _, header, _, _ in COLUMNS:
         t.add_column(header, justify="right")
-    t.add_column("requests per backend, per run")
+    t.add_column("requests per\nbackend, per run")
     for r in rows:
         cells = [str(r["value"])] if knob else []
         cells += [r["policy"], str(r["runs"])]
         for key, _, scale, fmt in COLUMNS:
             change = r["change_vs_gpu_only"].get(key) if r["policy"] != BASELINE else None
             cells.append(_cell(r["metrics"].get(key), change, scale, fmt))
-        cells.append("; ".join(", ".join(f"{k} {v}" for k, v in b.items()) or "-" for b in r["backend_requests"]))
+        cells.append("\n".join(", ".join(f"{k} {v}" for k, v in b.items()) or "-" for b in r["backend_requests"]))
         t.add_row(*cells)
     return t

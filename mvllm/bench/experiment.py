@@ -215,7 +215,9 @@ def _article(kind: str) -> str:
 
 def default(model: str | None = None) -> Experiment:
     """The reference workload (seed/BRIEF.md) on the default model and the default backends, one run
-    per policy: what `mvllm bench` does without an experiment file."""
+    per policy, rates measured by `mvllm profile` first: what `mvllm bench` does without a file."""
     from mvllm.model.loader import DEFAULT_MODEL
 
-    return Experiment(name="default", model=model or DEFAULT_MODEL, runs=1)
+    return Experiment(name="default", model=model or DEFAULT_MODEL, runs=1, profile="auto",
+                      profile_args=["--lengths", "128,516", "--repeats", "3"],
+                      description="The reference workload (BRIEF.md) on the default model and backends")

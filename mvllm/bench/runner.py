@@ -140,6 +140,12 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     profile = find_profile(exp, out, backends, console) if url is None else None
     specs = parse_backends(backends, exp.max_active) if backends else None
     total = len(exp.points()) * len(policies) * runs
+    planned = {run_id(p, i, exp.sweep.knob if exp.sweep else None, v)
+               for v, _ in exp.points() for p in policies for i in range(1, runs + 1)}
+    kept = sorted(p.parent.name for p in out.glob("*/summary.json") if p.parent.name not in planned)
+    if kept and not quiet:
+        console.print(f"[dim]note: {len(kept)} earlier run(s) in {out} are kept and aggregated with these: "
+                      f"{', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''}[/dim]", highlight=False)
     done = 0
     try:
         for value, point in exp.points():
@@ -165,6 +171,6 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
         raise ServerError(f"{e}\n{done} finished run(s) are saved in {out}") from None
     rows = write_aggregate(out)
     if not quiet:
-        Console().print(table(rows, f"{exp.name}: {exp.model}, means over runs (change against gpu-only)"))
+        Console(width=None if sys.stdout.isatty() else 160).print(table(rows, f"{exp.name}: {exp.model}, means over runs (change against gpu-only)"))
     return rows
 
