@@ -20,7 +20,9 @@ EOS = VOCAB - 1
 KINDS = {
     "llama": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2),
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
-    "llama-bias": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=4, attention_bias=True),
+    "llama-bias": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=4, attention_bias=True,
+                       head_dim=24),
+    "mistral": dict(arch="mistral", tie_word_embeddings=False, num_key_value_heads=2, sliding_window=4096),
     "llama3": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2,
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -33,7 +35,7 @@ def make_tiny(path: Path, kind: str, seed: int = 0, **overrides):
 
     A large init std makes the logits decisive (no near-ties between implementations); biases and norm
     weights are randomized so that loading them wrongly changes the tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     spec = dict(KINDS[kind])
     arch = spec.pop("arch")
@@ -42,7 +44,8 @@ def make_tiny(path: Path, kind: str, seed: int = 0, **overrides):
               eos_token_id=EOS, bos_token_id=None, pad_token_id=None)
     kw.update(spec)
     kw.update(overrides)
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).float().eval()
     with torch.no_grad():

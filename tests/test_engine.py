@@ -68,6 +68,20 @@ def test_tiny_pool_preempts_and_still_matches(llama):
     assert small.blocks.num_free == small.blocks.num_blocks
 
 
+def test_seeded_sampling_survives_preemption(llama):
+    path, _ = llama
+    ps = prompts(22, [10, 7, 12, 9])
+    runs = []
+    for num_blocks in (256, 12):
+        eng = engine(path, block_size=4, num_blocks=num_blocks)
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.5, seed=i))
+                for i, p in enumerate(ps)]
+        drain(eng)
+        runs.append([s.output_ids for s in seqs])
+    assert eng.scheduler.num_preemptions > 0
+    assert runs[0] == runs[1]
+
+
 def test_pool_smaller_than_all_prompts_waits_instead_of_failing(llama):
     path, _ = llama
     eng = engine(path, block_size=4, num_blocks=8, max_active=4)

@@ -109,7 +109,11 @@ def test_transformers_4_and_5_config_layouts_agree():
     plain = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
     assert plain.rope_scaling is None and plain.rope_theta == 1e4
     qwen = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"]})
-    assert qwen.attention_bias and not qwen.o_proj_bias
+    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.max_position == 512
+    windowed = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                                      "sliding_window": 128})
+    mistral = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 256})
+    assert windowed.max_position == 128 and mistral.max_position == 256  # no sliding attention: cap the context
 
 
 def test_qwen25_preset_has_the_real_shapes():

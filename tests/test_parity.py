@@ -29,7 +29,7 @@ def llms(tiny):
     return get
 
 
-@pytest.mark.parametrize("kind", KINDS + ["llama-bias"])
+@pytest.mark.parametrize("kind", KINDS + ["llama-bias", "mistral"])
 def test_single_requests(kind, tiny, llms):
     _, ref = tiny(kind)
     llm = llms(kind)

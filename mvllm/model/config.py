@@ -55,6 +55,11 @@ class ModelConfig:
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "linear"):
             raise UnsupportedModelError(f"rope scaling {scaling} is not supported (default, linear, llama3)")
+        max_position = d.get("max_position_embeddings", 2048)
+        windowed = ("MistralForCausalLM" in archs or d.get("model_type") == "mistral" or d.get("use_sliding_window")
+                    or "sliding_attention" in (d.get("layer_types") or []))
+        if windowed and d.get("sliding_window"):  # within the window, sliding attention is full attention
+            max_position = min(max_position, d["sliding_window"])
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -66,7 +71,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            max_position=d.get("max_position_embeddings", 2048),
+            max_position=max_position,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
