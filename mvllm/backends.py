@@ -3,7 +3,7 @@
     NAME=DEVICE[/KEY=VALUE]...[,NAME=DEVICE...]
     e.g.  gpu=cuda,cpu=cpu/quant=int8/threads=8      gpu=cpu,cpu=cpu (tests: two CPU backends)
 
-Keys: dtype, quant (none|int8), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off).
+Keys: dtype, quant (none|int8|w8a8), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off).
 A backend's name is its role for the router (the "gpu" of gpu-only); its device is a setting.
 """
 
@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from mvllm.engine.engine import DEFAULT_DTYPES, EngineConfig
+from mvllm.engine.quant import QUANTS
 from mvllm.errors import InvalidRequestError
-
-QUANTS = ("none", "int8")
 
 
 @dataclass(slots=True)

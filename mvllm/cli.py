@@ -76,6 +76,29 @@ def generate(
 
 @app.command()
 @one_line_errors
+def profile(
+    model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
+    backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
+                                            "gpu=cuda,cpu=cpu/quant=int8/threads=8 (default: a GPU if present, "
+                                            "and the CPU)."),
+    out: str = typer.Option(None, help="Write the profile JSON here, e.g. results/profile/<name>.json."),
+    json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout."),
+    baseline: str = typer.Option(None, help="'transformers': also time plain transformers generate on the "
+                                            "same model, device and dtype, and save the ratios."),
+    lengths: str = typer.Option("128,256,516,1024", help="Cold-prefill prompt lengths (516 sets prefill_rate)."),
+    repeats: int = typer.Option(5, help="Repetitions per measurement (the median is kept)."),
+    steps: int = typer.Option(16, help="Timed decode steps per batch size."),
+    max_active: int = typer.Option(None, help="Override every backend's max_active (decode batches 1..N)."),
+):
+    """Measure each backend alone: cold and warm prefill, decode step time at every batch size, and the
+    prefill_rate/decode_rate the router uses, into one JSON profile."""
+    from mvllm.profile import cli_profile
+
+    cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console)
+
+
+@app.command()
+@one_line_errors
 def bench(
     experiment: str = typer.Argument(None, help="An experiment file (experiments/*.toml). Without one: the "
                                                 "reference workload on the default model and backends."),

@@ -23,7 +23,7 @@ FIRST_CONTEXT = 256
 
 class GraphRunner:
     def __init__(self, model: Decoder, caches: list[torch.Tensor], block_size: int, max_active: int,
-                 max_model_len: int, scratch_slot: int):
+                 max_model_len: int, scratch_slot: int, capture: bool = True):
         self.model, self.caches, self.block_size, self.scratch = model, caches, block_size, scratch_slot
         self.token_buckets = sorted(set(range(1, max_active + 1)) | set(TOKEN_BUCKETS))
         top = min(MAX_CONTEXT, max(max_model_len, FIRST_CONTEXT))
@@ -36,7 +36,9 @@ class GraphRunner:
         self.inputs = torch.zeros(t_max, 4 + self.width, dtype=torch.long, device=device)
         self.hidden = torch.zeros(t_max, model.cfg.hidden_size, dtype=caches[0].dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.capture()
+        self.steps = self.replays = 0
+        if capture:
+            self.capture()
 
     def _forward(self, t: int, lk: int) -> None:
         x = self.inputs[:t]
@@ -88,5 +90,11 @@ class GraphRunner:
             buf[row:row + n, 4:4 + len(table)] = table[:self.width]
             row += n
         self.inputs[:t_pad].copy_(torch.from_numpy(buf))
-        self.graphs[key].replay()
+        graph = self.graphs.get(key)
+        self.steps += 1
+        if graph is None:  # not captured (tests on CPU run the same layout eagerly)
+            self._forward(*key)
+        else:
+            graph.replay()
+            self.replays += 1
         return self.hidden[:row]

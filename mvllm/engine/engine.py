@@ -12,6 +12,7 @@ import torch
 from mvllm.engine.block_manager import BlockManager
 from mvllm.engine.model_runner import ModelRunner
 from mvllm.engine.params import SamplingParams
+from mvllm.engine.quant import QUANTS, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import Sequence
 from mvllm.errors import InvalidRequestError, PromptTooLongError
@@ -65,6 +66,10 @@ class EngineConfig:
                                       f"{torch.cuda.device_count()} CUDA GPU(s)", "device")
         if device_type == "mps" and not torch.backends.mps.is_available():
             raise InvalidRequestError("device mps was asked for but this machine has no MPS GPU", "device")
+        if self.quant not in QUANTS:
+            raise InvalidRequestError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}", "quant")
+        if self.quant != "none" and (device_type != "cpu" or self.dtype not in (None, "float32")):
+            raise InvalidRequestError(f"quant={self.quant} runs on the cpu device with float32 activations only", "quant")
 
 
 @dataclass(slots=True)
@@ -84,13 +89,14 @@ class Engine:
             torch.set_num_threads(config.threads)
         self.source = source or resolve(config.model)
         cfg = self.source.config
-        self.model = build_model(self.source, self.device, self.dtype)
+        self.model = quantize(build_model(self.source, self.device, self.dtype), config.quant, self.device)
         num_blocks = config.num_blocks or self._blocks_for_budget()
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
                                  num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
+                                  config.graphs, config.max_active, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.on_schedule: Callable[[Batch], None] | None = None
 

@@ -1,9 +1,14 @@
-"""Weight quantization for the CPU backend: int8 weights, float32 activations.
+"""Weight quantization for the CPU backend.
 
-PyTorch's dynamic int8 Linear (fbgemm/onednn) was picked by measurement: on a 2-core EPYC, a
-896x9728 projection took 3.2 ms (float32), 0.45 ms (dynamic int8) and 6.4 ms (`_weight_int8pack_mm`)
-at batch 1, and 83 / 41 / 3500 ms at 516 tokens. Activations are quantized per call (dynamic);
-the output stays float32. The tied lm_head gets its own quantized copy; the embedding stays float32.
+- `int8`: int8 weights (one scale per output row), float32 activations. Small batches run
+  `torch._weight_int8pack_mm`; larger ones de-quantize the weight and run a float32 matmul.
+- `w8a8`: PyTorch's dynamic int8 Linear (fbgemm/onednn): weights int8 per output row, activations
+  quantized to int8 per call with one scale per tensor. Fastest on CPUs without AVX-512, but activation
+  outliers hurt it: on SmolLM2-135M (real weights) its logits kept a mean cosine of only 0.72 to float32's,
+  where `int8` kept 0.998 (tests/test_quant.py states the tolerances).
+Measured on a 2-core EPYC (AVX2), one 896x9728 projection: 3.2 ms float32, 0.45 ms w8a8, 6.4 ms
+`_weight_int8pack_mm` at batch 1; 83 / 41 / 3500 ms at 516 tokens. results/profile/README.md has the
+numbers of the 16-core GPU machine. The tied lm_head gets its own quantized copy; the embedding stays float32.
 """
 
 from __future__ import annotations
@@ -16,23 +21,59 @@ from torch import nn
 from mvllm.errors import InvalidRequestError
 from mvllm.model.decoder import Decoder
 
-QUANTS = ("none", "int8")
+QUANTS = ("none", "int8", "w8a8")
+PACKED_MAX_ROWS = 8  # above this many tokens, de-quantize and use the float32 GEMM
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= PACKED_MAX_ROWS:
+            y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scale)
+        else:
+            y = rows @ (self.weight.float() * self.scale[:, None]).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _untie(model: Decoder) -> None:
+    if model.lm_head.weight is model.embed_tokens.weight:
+        head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
+        head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+        model.lm_head = head
+
+
+def _swap(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child))
+        else:
+            _swap(child)
 
 
 def quantize(model: Decoder, quant: str, device: torch.device) -> Decoder:
     if quant == "none":
         return model
-    if quant != "int8":
+    if quant not in QUANTS:
         raise InvalidRequestError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}", "quant")
     if device.type != "cpu":
-        raise InvalidRequestError("quant=int8 runs on the cpu device only", "quant")
-    if model.lm_head.weight is model.embed_tokens.weight:
-        head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
-        head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
-        model.lm_head = head
-    engine = torch.backends.quantized.engine
-    if engine not in ("fbgemm", "x86", "onednn", "qnnpack"):
-        raise InvalidRequestError(f"this PyTorch build has no int8 CPU kernels (engine {engine!r})", "quant")
+        raise InvalidRequestError(f"quant={quant} runs on the cpu device only", "quant")
+    model = model.float()
+    _untie(model)
+    if quant == "int8":
+        _swap(model)
+        return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(model.float(), {nn.Linear}, dtype=torch.qint8, inplace=True)
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, inplace=True)

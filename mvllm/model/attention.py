@@ -72,10 +72,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     if meta.layout == "causal":
         outs = []
         for qs, ks, vs in zip(*(x.split(meta.lengths) for x in (q, k, v))):
-            outs.append(F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                                       is_causal=True, scale=scale, enable_gqa=True))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return out.transpose(0, 1).reshape(t, h * d)
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))  # [1, heads, L, D]
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out[0].transpose(0, 1).reshape(t, h * d)
     keys, values = cache[:, meta.gather_index].transpose(2, 3).unbind(0)  # [B, Hkv, Lk, D] each
     if meta.layout == "rows":  # a row's query heads grouped by their KV head: no GQA expansion
         hkv = keys.shape[1]

@@ -1,0 +1,275 @@
+"""`mvllm profile`: each backend measured alone, written as the JSON profile the router reads.
+
+Rule for the router's rates (RULE below): prefill_rate is the cold-prefill throughput of a 516-token
+prompt (the reference prompt length; the longest measured length under it when 516 is not measured),
+since the router divides uncached prompt tokens by it; decode_rate is the aggregate decode throughput
+at full occupancy (batch = max_active) at a context near 516 + 64, since the router divides the summed
+decode budgets of all active and queued requests by it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from mvllm.backends import BackendSpec
+from mvllm.engine.engine import Engine
+from mvllm.engine.params import SamplingParams
+from mvllm.errors import MvllmError
+
+LENGTHS = (128, 256, 516, 1024)
+REFERENCE_LEN = 516
+WARM_CACHED, WARM_NEW = 496, 20
+DECODE_PREFIX, DECODE_NEW = 560, 4  # context 564 at the first decode step, ~580 at the end
+RULE = ("prefill_rate: cold prefill tok/s of a {n}-token prompt; decode_rate: aggregate decode tok/s at "
+        "batch max_active={b}, context ~{c}")
+
+Progress = Callable[[str], None]
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _median_ms(times: list[float]) -> float:
+    return 1000 * statistics.median(times)
+
+
+class Tokens:
+    """Fresh random prompts: distinct, so no prompt hits another's cache by accident."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+
+    def __call__(self, n: int) -> list[int]:
+        return torch.randint(0, max(self.vocab - 1, 1), (n,), generator=self.gen).tolist()
+
+
+def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int) -> int | None:
+    if spec.num_blocks or spec.kv_cache_gb:
+        return spec.num_blocks
+    tokens = (max(lengths + (WARM_CACHED + WARM_NEW,)) + (spec.max_active + 2) * (DECODE_PREFIX + 64))
+    return 2 * -(-tokens // block_size)
+
+
+def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], repeats: int, steps: int,
+                    progress: Progress, block_size: int = 16) -> dict:
+    config = spec.engine_config(model, block_size)
+    config.num_blocks = kv_blocks(spec, lengths, block_size)
+    progress(f"{spec.name}: loading {model} on {spec.device}")
+    engine = Engine(config)
+    tokens = Tokens(engine.source.config.vocab_size)
+    out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
+           "quant": spec.quant, "threads": torch.get_num_threads(), "max_active": spec.max_active,
+           "graphs": bool(engine.runner.graphs), "prefill": [], "decode": []}
+
+    def first_token(prompt: list[int]) -> tuple[float, int]:
+        seq = engine.add_request(prompt, _greedy(1))
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        while engine.has_unfinished():
+            engine.step()
+        return dt, seq.num_cached_tokens
+
+    first_token(tokens(min(lengths)))  # warm-up: allocator, kernels, thread pools
+    for n in lengths:
+        if n + 1 >= engine.max_model_len:
+            continue
+        progress(f"{spec.name}: cold prefill, {n} tokens")
+        times = [first_token(tokens(n))[0] for _ in range(repeats)]
+        ms = _median_ms(times)
+        out["prefill"].append({"kind": "cold", "tokens": n, "cached": 0, "ms": ms, "tok_s": n / ms * 1000})
+    progress(f"{spec.name}: warm prefill, {WARM_NEW} new after {WARM_CACHED} cached")
+    prefix = tokens(WARM_CACHED)
+    engine.warm(prefix)
+    runs = [first_token(prefix + tokens(WARM_NEW)) for _ in range(repeats)]
+    ms = _median_ms([t for t, _ in runs])
+    out["prefill"].append({"kind": "warm", "tokens": WARM_NEW, "cached": min(c for _, c in runs), "ms": ms,
+                           "tok_s": WARM_NEW / ms * 1000})
+    prefix = tokens(DECODE_PREFIX)
+    engine.warm(prefix)
+    for b in range(1, spec.max_active + 1):
+        progress(f"{spec.name}: decode, batch {b}")
+        seqs = [engine.add_request(prefix + tokens(DECODE_NEW), _greedy(steps + 2)) for _ in range(b)]
+        engine.step()
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            done = engine.step()
+            if len(done) == b:
+                times.append(time.perf_counter() - t)
+        ms = _median_ms(times)
+        ctx = (DECODE_PREFIX + DECODE_NEW) + (steps + 1) // 2
+        out["decode"].append({"batch": b, "context": ctx, "step_ms": ms, "tok_s": b / ms * 1000,
+                              "cached": min(s.num_cached_tokens for s in seqs)})
+    out.update(choose_rates(out))
+    return out
+
+
+def choose_rates(backend: dict) -> dict:
+    cold = [p for p in backend["prefill"] if p["kind"] == "cold"]
+    under = [p for p in cold if p["tokens"] <= REFERENCE_LEN] or cold
+    pre = max(under, key=lambda p: p["tokens"]) if under else next(p for p in backend["prefill"])
+    full = max(backend["decode"], key=lambda d: d["batch"])
+    warm = next((p for p in backend["prefill"] if p["kind"] == "warm"), None)
+    return {"prefill_rate": pre["tok_s"], "decode_rate": full["tok_s"],
+            "warm_prefill_rate": warm["tok_s"] if warm else None,
+            "rule": RULE.format(n=pre["tokens"], b=full["batch"], c=full["context"])}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple MPS"
+    return cpu_model()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    if os.environ.get("MVLLM_GIT_COMMIT"):
+        return os.environ["MVLLM_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(model: str) -> dict:
+    import transformers
+
+    return {"model": model, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "git_commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] = LENGTHS, repeats: int = 5,
+                steps: int = 16, baseline: str | None = None, progress: Progress | None = None) -> dict:
+    progress = progress or (lambda _: None)
+    default_threads = torch.get_num_threads()
+    profile = {"model": model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "environment": environment(model), "backends": {}}
+    for spec in specs:
+        torch.set_num_threads(spec.threads or default_threads)
+        entry = measure_backend(model, spec, lengths, repeats, steps, progress)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if baseline == "transformers":
+            from mvllm.profile_baseline import compare, measure
+
+            progress(f"{spec.name}: transformers baseline")
+            entry["baseline"] = measure(model, entry, repeats=max(repeats // 2, 2), steps=steps)
+            entry["baseline"]["ratios"] = compare(entry, entry["baseline"])
+        profile["backends"][spec.name] = entry
+    torch.set_num_threads(default_threads)
+    validate(profile, "the new profile")
+    return profile
+
+
+def validate(profile, where: str) -> dict:
+    if not isinstance(profile, dict) or not isinstance(profile.get("backends"), dict) or not profile["backends"]:
+        raise MvllmError(f"{where} is not a profile: it needs a non-empty \"backends\" object")
+    for name, b in profile["backends"].items():
+        if not isinstance(b, dict):
+            raise MvllmError(f"{where}: backend {name!r} must be an object")
+        for key in ("prefill_rate", "decode_rate"):
+            rate = b.get(key)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+                raise MvllmError(f"{where}: backend {name!r} needs a positive number {key}, got {rate!r}")
+    return profile
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read and check a profile JSON; a hand-written one needs only prefill_rate/decode_rate per backend."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MvllmError(f"profile {path} does not exist; make one with `mvllm profile --out {path}`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise MvllmError(f"profile {path} cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise MvllmError(f"profile {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    return validate(data, f"profile {path}")
+
+
+def save_profile(profile: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    return path
+
+
+def table(profile: dict):
+    from rich.table import Table
+
+    t = Table(title=f"mvllm profile: {profile['model']}")
+    for col in ("backend", "device", "dtype/quant", "threads", "cold prefill tok/s", "warm ms",
+                "decode ms/step (b=1..n)", "prefill_rate", "decode_rate", "vs transformers"):
+        t.add_column(col, justify="right" if col not in ("backend", "device") else "left")
+    for name, b in profile["backends"].items():
+        cold = " ".join(f"{p['tokens']}:{p['tok_s']:.0f}" for p in b.get("prefill", []) if p["kind"] == "cold")
+        warm = next((f"{p['ms']:.1f}" for p in b.get("prefill", []) if p["kind"] == "warm"), "-")
+        dec = " ".join(f"{d['step_ms']:.1f}" for d in b.get("decode", []))
+        ratios = b.get("baseline", {}).get("ratios", {})
+        vs = " ".join(f"{k}:{v:.1f}x" for k, v in ratios.items()) or "-"
+        t.add_row(name, f"{b.get('device', '?')} ({b.get('device_name', '')})", f"{b.get('dtype')}/{b.get('quant')}",
+                  str(b.get("threads", "")), cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}", vs)
+    return t
+
+
+def cli_profile(model: str, backends: str | None, out: str | None, json_out: bool, baseline: str | None,
+                lengths: str, repeats: int, steps: int, max_active: int | None, console) -> dict:
+    from rich.progress import Progress as Bar
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from mvllm.backends import default_backends, parse_backends
+    from mvllm.errors import InvalidRequestError
+
+    specs = parse_backends(backends or default_backends(), max_active)
+    if baseline not in (None, "transformers"):
+        raise InvalidRequestError(f"unknown baseline {baseline!r}; the one known is 'transformers'", "baseline")
+    try:
+        sizes = tuple(int(x) for x in lengths.split(",") if x.strip())
+    except ValueError:
+        raise InvalidRequestError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
+    if not sizes or min(sizes) < 1 or repeats < 1 or steps < 1:
+        raise InvalidRequestError("--lengths, --repeats and --steps must be positive")
+    with Bar(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+             transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+        result = run_profile(model, specs, sizes, repeats, steps, baseline,
+                             lambda text: bar.update(task, description=text))
+    console.print(table(result))
+    if out:
+        console.print(f"wrote {save_profile(result, out)}", highlight=False)
+    if json_out:
+        print(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,114 @@
+"""`mvllm profile` end to end on a tiny model with two CPU backends, the profile contract, bad specs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mvllm.cli import app
+from mvllm.errors import MvllmError
+from mvllm.profile import load_profile
+
+runner = CliRunner()
+TINY = "synthetic:tiny-qwen2"
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "tiny.json"
+    res = runner.invoke(app, ["profile", "--model", TINY, "--backends", "gpu=cpu,cpu=cpu/quant=int8/threads=1",
+                              "--lengths", "16,40", "--repeats", "1", "--steps", "2", "--max-active", "2",
+                              "--baseline", "transformers", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_profile_writes_the_contract(profiled):
+    data = json.loads(profiled.read_text())
+    assert load_profile(profiled) == data
+    assert data["model"] == TINY and data["created"]
+    env = data["environment"]
+    for key in ("cpu_model", "torch", "transformers", "date", "git_commit", "model"):
+        assert key in env
+    assert set(data["backends"]) == {"gpu", "cpu"}
+    cpu, gpu = data["backends"]["cpu"], data["backends"]["gpu"]
+    assert (cpu["quant"], cpu["threads"], gpu["quant"]) == ("int8", 1, "none")
+    for b in (cpu, gpu):
+        assert b["device"] == "cpu" and b["dtype"] == "float32" and b["max_active"] == 2
+        assert [p["tokens"] for p in b["prefill"] if p["kind"] == "cold"] == [16, 40]
+        warm = next(p for p in b["prefill"] if p["kind"] == "warm")
+        assert (warm["tokens"], warm["cached"]) == (20, 496)
+        assert [d["batch"] for d in b["decode"]] == [1, 2]
+        assert all(d["cached"] == 560 and 560 < d["context"] < 600 for d in b["decode"])
+        cold40 = next(p["tok_s"] for p in b["prefill"] if p["tokens"] == 40)
+        assert b["prefill_rate"] == cold40 and b["decode_rate"] == b["decode"][-1]["tok_s"]
+        assert "max_active=2" in b["rule"]
+        runs = b["baseline"]["runs"]["float32"]
+        assert runs["prefill"][0]["tok_s"] > 0 and [d["batch"] for d in runs["decode"]] == [1, 2]
+        ratio = b["baseline"]["ratios"]["decode_b2_same_dtype"]
+        assert ratio == pytest.approx(b["decode"][-1]["tok_s"] / runs["decode"][-1]["tok_s"])
+
+
+def test_hand_written_profile_loads(tmp_path):
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps({"backends": {"gpu": {"prefill_rate": 2551, "decode_rate": 293},
+                                             "cpu": {"prefill_rate": 73.0, "decode_rate": 45}}}))
+    assert load_profile(path)["backends"]["cpu"]["decode_rate"] == 45
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, "does not exist"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "not a profile"),
+    ('{"backends": {}}', "not a profile"),
+    ('{"backends": {"cpu": {"prefill_rate": 10}}}', "decode_rate"),
+    ('{"backends": {"cpu": {"prefill_rate": -1, "decode_rate": 3}}}', "prefill_rate"),
+    ('{"backends": {"cpu": {"prefill_rate": "fast", "decode_rate": 3}}}', "prefill_rate"),
+])
+def test_bad_profiles_fail_clearly(tmp_path, text, words):
+    path = tmp_path / "p.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(MvllmError, match=words):
+        load_profile(path)
+
+
+BAD = [
+    ("gpu=tpu", "unknown device"),
+    ("a=cpu,a=cpu", "given twice"),
+    ("cpu=cpu/threads=0", "threads must be at least 1"),
+    ("cpu=cpu/max_active=0", "max_active must be at least 1"),
+    ("cpu=cpu/quant=int4", "quant must be one of"),
+    ("cpu=cpu/speed=fast", "unknown setting"),
+]
+if not torch.cuda.is_available():
+    BAD.append(("gpu=cuda", "no CUDA GPU"))
+
+
+@pytest.mark.parametrize("spec, words", BAD)
+def test_bad_backend_specs_fail_before_loading(monkeypatch, spec, words):
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("mvllm.profile.Engine", no_load)
+    res = runner.invoke(app, ["profile", "--model", TINY, "--backends", spec])
+    assert res.exit_code == 2
+    assert words in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_baseline_model_carries_mvllm_weights():
+    from mvllm import LLM, SamplingParams
+    from mvllm.profile_baseline import hf_model
+
+    prompt = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(3))
+    hf = hf_model("synthetic:tiny-llama", "cpu", torch.float32, "none")
+    with torch.no_grad():
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)[0, 12:].tolist()
+    out = LLM("synthetic:tiny-llama", num_blocks=16).generate(
+        [prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == ref
