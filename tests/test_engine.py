@@ -205,3 +205,27 @@ def test_warm_seeds_the_cache(llama):
     assert seq.estimated_cached_tokens == 32
     drain(eng)
     assert seq.num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("kw, support", [
+    (dict(temperature=1.0), {0, 1, 2, 3}),
+    (dict(temperature=1.0, top_p=0.75), {0, 1}),   # 0.5 + 0.3 reaches 0.75: the smallest such set
+    (dict(temperature=1.0, top_p=0.85), {0, 1, 2}),
+    (dict(temperature=1.0, top_k=3), {0, 1, 2}),
+    (dict(temperature=1.0, top_k=3, top_p=0.4), {0}),
+    (dict(temperature=0.0, top_k=3), {0}),
+])
+def test_sampler_support(kw, support):
+    import torch
+
+    from mvllm.engine.sampler import sample
+    from mvllm.engine.sequence import Sequence
+
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    seq = Sequence([1], SamplingParams(seed=0, **kw))
+    counts = [0] * 4
+    for _ in range(1500):
+        counts[sample(logits, [seq])[0]] += 1
+    assert {i for i, c in enumerate(counts) if c} == support
+    if kw == dict(temperature=1.0):  # the plain distribution, within a few standard errors
+        assert all(abs(c / 1500 - p) < 0.05 for c, p in zip(counts, [0.5, 0.3, 0.15, 0.05]))

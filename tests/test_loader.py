@@ -26,6 +26,18 @@ def test_unknown_specs(spec, says):
         resolve(spec)
 
 
+def test_unreachable_hub_id_is_one_line(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while ...")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelNotFoundError, match="could not fetch 'some-org/some-model'") as e:
+        resolve("some-org/some-model")
+    assert "\n" not in str(e.value) and "Name or service not known" in str(e.value)
+
+
 def test_missing_and_broken_files(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

