@@ -229,3 +229,38 @@ def test_sampler_support(kw, support):
     assert {i for i, c in enumerate(counts) if c} == support
     if kw == dict(temperature=1.0):  # the plain distribution, within a few standard errors
         assert all(abs(c / 1500 - p) < 0.05 for c, p in zip(counts, [0.5, 0.3, 0.15, 0.05]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_churn_matches_transformers(llama, seed):
+    """Requests arrive between steps, share prefixes, get aborted, and fight over a small pool: every
+    request that finishes still has transformers' greedy tokens, and nothing leaks."""
+    import random
+
+    path, ref = llama
+    rng = random.Random(seed)
+    eng = engine(path, block_size=4, num_blocks=10, max_active=3)
+    stems = prompts(50 + seed, [8, 13])
+    todo = [(rng.choice(stems) + prompts(60 + i, [rng.randrange(1, 7)])[0], rng.randrange(4, 13))
+            for i in range(16)]
+    seqs, aborted, steps = [], set(), 0
+    while todo or eng.has_unfinished():
+        if todo and rng.random() < 0.6:
+            prompt, n = todo.pop()
+            seqs.append((eng.add_request(prompt, greedy(n)), prompt, n))
+        live = [s for s, _, _ in seqs if s.finish_reason is None]
+        if live and rng.random() < 0.08:
+            victim = rng.choice(live)
+            eng.abort(victim.request_id)
+            aborted.add(victim.request_id)
+        eng.step()
+        steps += 1
+        assert steps < 1000
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert any(s.num_cached_tokens for s, _, _ in seqs)
+    assert eng.scheduler.num_preemptions > 0 and aborted
+    for seq, prompt, n in seqs:
+        if seq.request_id in aborted:
+            assert seq.finish_reason == "abort" and seq.output_ids == hf_greedy(ref, prompt, n)[:len(seq.output_ids)]
+        else:
+            assert seq.output_ids == hf_greedy(ref, prompt, n), seq.request_id
