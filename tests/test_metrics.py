@@ -60,6 +60,7 @@ def test_summary_follows_vllm_definitions():
     assert s["backend_requests"] == {"cpu": 1, "gpu": 2}
     assert s["backend_cached_tokens"] == {"cpu": 480, "gpu": 992}
     assert s["total_cached_tokens"] == 1472
+    assert s["max_send_delay_ms"] == 0.0
     for m in ("ttft", "tpot", "itl", "e2el"):
         for k in ("mean", "median", "std", "p95", "p99"):
             assert f"{k}_{m}_ms" in s

@@ -27,6 +27,10 @@ def cpu_name() -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD (with -dirty for uncommitted changes), or MVLLM_GIT_COMMIT where the tree was copied
+    without its .git (e.g. to a GPU machine)."""
+    if os.environ.get("MVLLM_GIT_COMMIT"):
+        return os.environ["MVLLM_GIT_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)

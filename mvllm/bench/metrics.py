@@ -4,7 +4,8 @@ All times are seconds from the start of the replay, taken on the client. A reque
 from its scheduled send time (`arrival`), so a late client cannot hide queueing:
 ttft = first_token - arrival, e2el = finish - arrival, tpot = (e2el - ttft) / (output_tokens - 1),
 itl = the gaps between streamed chunks, pooled over requests. Percentiles interpolate linearly
-between ranks (numpy's default, as vLLM).
+between ranks (numpy's default, as vLLM). max_send_delay_ms: how late the client sent its latest
+request against the schedule (a check that the client kept up).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def summarize(records: list[RequestRecord], duration: float | None = None) -> di
         "output_throughput": out_tokens / per,
         "total_token_throughput": (in_tokens + out_tokens) / per,
         "makespan": makespan,
+        "max_send_delay_ms": 1000.0 * max((r.sent - r.arrival for r in records if r.sent is not None), default=0.0),
     }
     s.update(stats("ttft", [r.ttft for r in done]))
     s.update(stats("tpot", [t for r in done if (t := r.tpot) is not None]))

@@ -46,8 +46,8 @@ def makespan(res: Results, path) -> None:
                    label=p if i == 0 else None, zorder=2)
             ax.scatter([x + d for d in _jitter(len(xs), width * 0.18, i * 31 + j)], xs, s=22, color="black",
                        zorder=3, label="one run" if i == 0 and j == 0 else None)
-            ax.annotate(f"{mean:.2f} s", (x, max(mean, *xs)), xytext=(0, 4), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9, fontweight="bold")
+            ax.annotate(f"{mean:.2f} s", (x, mean), xytext=(0, -5), textcoords="offset points", ha="center",
+                        va="top", fontsize=9, fontweight="bold", color="white")
     if res.knob:
         ax.set_xticks(range(len(vals)), [str(v) for v in vals])
         ax.set_xlabel(res.knob)
@@ -75,20 +75,25 @@ def _ecdf(ax, values: list[float], color: str, label: str) -> None:
             label=label)
 
 
+def _num(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def latency(res: Results, path, value=None) -> None:
     """Distributions (empirical CDF over every request of every run) of TTFT and end-to-end latency;
     the dotted lines mark the median and the 95th percentile."""
     pols = res.policies
     fig, axes = figure(1, 2, width=12, height=4.6)
-    for ax, (col, label, scale) in zip(axes[0], (("ttft_ms", "time to first token (ms)", 1.0),
-                                                 ("e2el_ms", "end-to-end latency (s)", 1e-3)), strict=True):
+    for ax, (col, label, scale, unit) in zip(axes[0], (("ttft_ms", "time to first token (ms)", 1.0, "ms"),
+                                                       ("e2el_ms", "end-to-end latency (s)", 1e-3, "s")),
+                                             strict=True):
         for p in pols:
             runs = res.select(p, value)
             xs = [x * scale for r in runs for x in r.requests[col].dropna().tolist()]
             if not xs:
                 continue
             med, p95 = np.percentile(xs, 50), np.percentile(xs, 95)
-            _ecdf(ax, xs, policy_color(p, pols), f"{p}: median {med:.3g}, p95 {p95:.3g}")
+            _ecdf(ax, xs, policy_color(p, pols), f"{p}: median {_num(med)} {unit}, p95 {_num(p95)} {unit}")
         for q, name in ((0.5, "median"), (0.95, "p95")):
             ax.axhline(q, color="grey", ls=":", lw=1)
             ax.annotate(name, (1.0, q), xycoords=("axes fraction", "data"), xytext=(3, 0),
