@@ -94,7 +94,10 @@ def test_summary_table_matches_the_runs(tmp_path):
     makespans = [json.loads(p.read_text())["makespan"] for p in out.glob("mixed-run*/summary.json")]
     assert mixed["metrics"]["makespan"]["mean"] == pytest.approx(sum(makespans) / 3)
     assert f"{sum(makespans) / 3:.2f} ± " in md
+    base = next(r for r in agg if r["policy"] == "gpu-only")
     change = mixed["change_vs_gpu_only"]["makespan"]
+    assert change == pytest.approx(100 * (sum(makespans) / 3 / base["metrics"]["makespan"]["mean"] - 1))
+    assert "start_time" not in mixed["metrics"] and "run" not in mixed["metrics"]
     assert f"({change:+.1f}%)" in md
 
 

@@ -165,7 +165,7 @@ def apply(exp: Experiment, knob: str, value, where: str = "experiment") -> Exper
     new = copy.deepcopy(exp)
     target, key = (new.workload, knob[9:]) if knob.startswith("workload.") else (new, knob)
     names = {f.name: f for f in fields(target)}
-    if key not in names or key in ("workload", "sweep", "path", "name"):
+    if key not in names or key in ("workload", "sweep", "path", "name", "policies", "runs", "description"):
         raise ExperimentError(f"{where}: key 'sweep.knob': {knob!r} is not a setting that can be swept")
     setattr(target, key, _typed(names[key], value, where, f"sweep.values ({knob})"))
     check(new, where)

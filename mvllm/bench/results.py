@@ -81,9 +81,12 @@ def experiments_in(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*/summary.json"))) if root.is_dir() else []
 
 
+META = ("run", "value", "max_active", "start_time")
+
+
 def _numeric(s: dict) -> dict[str, float]:
     return {k: float(v) for k, v in s.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("run", "value")}
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in META}
 
 
 def _key(s: dict):
