@@ -23,7 +23,7 @@ KINDS = {
     "llama-bias": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=4, attention_bias=True,
                        head_dim=24),
     "mistral": dict(arch="mistral", tie_word_embeddings=False, num_key_value_heads=2, sliding_window=4096),
-    "llama3": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2,
+    "llama3": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=2, initializer_range=0.5,
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 32}),
@@ -33,15 +33,16 @@ KINDS = {
 def make_tiny(path: Path, kind: str, seed: int = 0, **overrides):
     """Save a tiny random model of `kind` under path; returns the transformers model (float32, eval).
 
-    The init std of 0.5 makes the logits decisive: on the parity prompts, the smallest top-1/top-2 logit gap
-    was over 200x the engine-vs-transformers logit difference at the same position (0.2 gave as little as
-    15x). Biases and norm weights are randomized so that loading them wrongly changes the tokens."""
+    The init std (0.2; 0.5 for llama3) makes the logits decisive: on the parity prompts, the smallest
+    top-1/top-2 logit gap was over 100x the engine-vs-transformers logit difference at the same position
+    (llama3 at 0.2 gave as little as 15x). Biases and norm weights are randomized so that loading them
+    wrongly changes the tokens."""
     import transformers
 
     spec = dict(KINDS[kind])
     arch = spec.pop("arch")
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, max_position_embeddings=256, initializer_range=0.5,
+              num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
               eos_token_id=EOS, bos_token_id=None, pad_token_id=None)
     kw.update(spec)
     kw.update(overrides)
