@@ -35,7 +35,7 @@ def hf_model(spec: str, device: str, dtype: torch.dtype, quant: str):
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
-    if quant == "int8":
+    if quant != "none":  # torch's own int8 path (dynamic int8 Linear) for every quantized backend
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)

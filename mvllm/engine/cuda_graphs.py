@@ -17,8 +17,7 @@ from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
 
 TOKEN_BUCKETS = (8, 16, 32, 64)
-MAX_CONTEXT = 4096
-FIRST_CONTEXT = 256
+CONTEXT_BUCKETS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)  # every row gathers its bucket's width
 
 
 class GraphRunner:
@@ -26,11 +25,9 @@ class GraphRunner:
                  max_model_len: int, scratch_slot: int, capture: bool = True):
         self.model, self.caches, self.block_size, self.scratch = model, caches, block_size, scratch_slot
         self.token_buckets = sorted(set(range(1, max_active + 1)) | set(TOKEN_BUCKETS))
-        top = min(MAX_CONTEXT, max(max_model_len, FIRST_CONTEXT))
-        self.context_buckets = [FIRST_CONTEXT]
-        while self.context_buckets[-1] < top:
-            self.context_buckets.append(self.context_buckets[-1] * 2)
-        self.width = self.context_buckets[-1] // block_size
+        self.context_buckets = [c for c in CONTEXT_BUCKETS if c < max_model_len]
+        self.context_buckets += [c for c in CONTEXT_BUCKETS if c >= max_model_len][:1]
+        self.width = -(-self.context_buckets[-1] // block_size)
         device = caches[0].device
         t_max = self.token_buckets[-1]
         self.inputs = torch.zeros(t_max, 4 + self.width, dtype=torch.long, device=device)
@@ -42,11 +39,12 @@ class GraphRunner:
 
     def _forward(self, t: int, lk: int) -> None:
         x = self.inputs[:t]
-        w = lk // self.block_size
+        w = -(-lk // self.block_size)
         tables = x[:, 4:4 + w]
         gather = (tables.unsqueeze(-1) * self.block_size + torch.arange(self.block_size, device=x.device))
+        gather = gather.view(t, w * self.block_size)[:, :lk]
         mask = (torch.arange(lk, device=x.device) < x[:, 3:4]).view(t, 1, 1, lk)
-        meta = AttnMeta(x[:, 2], gather.view(t, lk), mask=mask, layout="rows")
+        meta = AttnMeta(x[:, 2], gather, mask=mask, layout="rows")
         self.hidden[:t] = self.model(x[:, 0], x[:, 1], self.caches, meta)
 
     @torch.inference_mode()
