@@ -35,6 +35,9 @@ def one_line_errors(fn):
         except FileNotFoundError as e:
             console.print(f"[red]error:[/red] {e.strerror}: {e.filename}", highlight=False)
             sys.exit(2)
+        except KeyboardInterrupt:
+            console.print("interrupted")
+            sys.exit(130)
 
     return wrapper
 
@@ -99,6 +102,30 @@ def profile(
 
 @app.command()
 @one_line_errors
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
+    backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
+                                            "gpu=cuda,cpu=cpu/quant=int8 (default: a GPU if present, and the CPU)."),
+    policy: str = typer.Option("mixed", help="mixed, gpu-only, cpu-only, round-robin or split:K."),
+    profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates `mixed` needs)."),
+    max_active: int = typer.Option(None, help="Most running requests per backend (default 4)."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    routing_log: str = typer.Option(None, help="Write one JSON line per routing decision here."),
+    warm_prefix: str = typer.Option(None, help="File with a prefix (text, or a JSON list of token ids) to "
+                                               "pre-seed every backend's prefix cache with."),
+    ready_timeout: float = typer.Option(600, help="Seconds to wait for every backend to load."),
+):
+    """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
+    from mvllm.backends import default_backends
+    from mvllm.server.serve import serve as run
+
+    run(model, backends or default_backends(), policy, profile, max_active, host, port, routing_log, warm_prefix,
+        ready_timeout)
+
+
+@app.command()
+@one_line_errors
 def bench(
     experiment: str = typer.Argument(None, help="An experiment file (experiments/*.toml). Without one: the "
                                                 "reference workload on the default model and backends."),
@@ -142,7 +169,6 @@ def report(
 
     for path in report_all(Path(folder) if folder else None, Path(out) if out else None):
         console.print(f"wrote {path}", highlight=False)
-
 
 
 if __name__ == "__main__":

@@ -103,7 +103,9 @@ class Engine:
     def _blocks_for_budget(self) -> int:
         gb = self.config.kv_cache_gb or DEFAULT_KV_GB[self.device.type]
         per_block = ModelRunner.kv_bytes_per_token(self.source.config, self.dtype) * self.config.block_size
-        return max(int(gb * 2**30 // per_block), 1)
+        by_budget = int(gb * 2**30 // per_block)
+        enough = self.config.max_active * -(-self.source.config.max_position // self.config.block_size) * 2
+        return max(min(by_budget, enough), 1)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
