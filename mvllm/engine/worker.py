@@ -149,16 +149,19 @@ class ProcessBackend:
         self._loop = loop
 
         def read() -> None:
-            while True:
-                try:
-                    msg = self._events.recv()
-                except (EOFError, OSError):
-                    loop.call_soon_threadsafe(on_event, self.name, ("dead",))
-                    return
-                if msg[0] == "reply":
-                    loop.call_soon_threadsafe(self._resolve, msg[1], msg[2])
-                else:
-                    loop.call_soon_threadsafe(on_event, self.name, msg)
+            try:
+                while True:
+                    try:
+                        msg = self._events.recv()
+                    except (EOFError, OSError):
+                        loop.call_soon_threadsafe(on_event, self.name, ("dead",))
+                        return
+                    if msg[0] == "reply":
+                        loop.call_soon_threadsafe(self._resolve, msg[1], msg[2])
+                    else:
+                        loop.call_soon_threadsafe(on_event, self.name, msg)
+            except RuntimeError:  # the event loop closed: the server is shutting down
+                return
 
         threading.Thread(target=read, name=f"events-{self.name}", daemon=True).start()
 
