@@ -108,3 +108,51 @@ def test_policy_needs_named_backends_and_mixed_needs_rates():
         Router(["a", "gpu"], "cpu-only")
     with pytest.raises(MvllmError, match="--profile"):
         Router(["gpu", "cpu"], "mixed", {"gpu": RATES["gpu"]})
+
+
+H200 = {  # shapes of a profile measured on the H200 machine (qwen2.5-0.5b): GPU bf16 graphs, CPU int8
+    "gpu": {"prefill_rate": 50000.0, "decode_rate": 1718.0,
+            "decode": [{"batch": b, "step_ms": ms} for b, ms in enumerate([2.06, 2.19, 2.2, 2.33], 1)]},
+    "cpu": {"prefill_rate": 1400.0, "decode_rate": 131.0,
+            "decode": [{"batch": b, "step_ms": ms} for b, ms in enumerate([27.4, 29.5, 31.1, 30.6], 1)]},
+}
+
+
+def test_finish_time_of_a_request_on_an_idle_backend():
+    from mvllm.routing.eta import Timing, finish_time
+
+    t = Timing.from_profile(H200["cpu"])
+    assert finish_time(t, [], new_prefill=14, new_decode=10) == pytest.approx(14 / 1400 + 10 * 0.0274)
+
+
+def test_finish_time_waits_for_a_free_slot_and_batches():
+    from mvllm.routing.eta import Timing, finish_time
+
+    t = Timing(prefill_rate=100.0, step_s=[0.1, 0.2])  # max_active 2
+    active = [Booking("a", 10, 0, 5, active=True, generated=2), Booking("b", 10, 0, 5, active=True, generated=4)]
+    # b ends after 1 step at batch 2; the new request (prefill 10 = 0.1 s) joins a; a ends after 2 more steps;
+    # then the new one runs alone for its last 1 token
+    expected = 1 * 0.2 + 0.1 + 2 * 0.2 + 1 * 0.1
+    assert finish_time(t, active, new_prefill=10, new_decode=3) == pytest.approx(expected)
+
+
+def test_eta_keeps_a_request_off_a_cpu_that_would_finish_it_later():
+    gpu = [Booking(f"a{i}", 516, 496, 128, active=True, actual_cached=496, generated=28) for i in range(4)]
+    gpu += [Booking(f"q{i}", 516, 496, 128) for i in range(20)]
+    cached = {"gpu": 496, "cpu": 496}
+    mixed, eta = Router(["gpu", "cpu"], "mixed", H200), Router(["gpu", "cpu"], "eta", H200)
+    for r in (mixed, eta):
+        r.bookings["gpu"] = {b.request_id: b for b in gpu}
+    # the brief's score prices the lone CPU request at the CPU's batch-4 rate (128/131 s) and sends it there
+    assert mixed.route("new", 516, 128, cached) == "cpu"
+    # its finish-time estimate knows a lone request decodes at the batch-1 step (128 * 27.4 ms = 3.5 s),
+    # later than the GPU would finish it behind its queue (~1.8 s)
+    cands = eta.candidates(516, 128, cached)
+    assert cands["cpu"].eta == pytest.approx(20 / 1400 + 128 * 0.0274)
+    assert 1.5 < cands["gpu"].eta < 2.0
+    assert eta.route("new", 516, 128, cached) == "gpu"
+
+
+def test_eta_needs_step_times():
+    with pytest.raises(MvllmError, match="per-batch decode step times"):
+        Router(["gpu", "cpu"], "eta", RATES)

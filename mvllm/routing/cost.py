@@ -45,6 +45,7 @@ class Candidate:
     prefill_rate: float
     decode_rate: float
     cached_prefix: int
+    eta: float | None = None
     score: float = field(init=False)
 
     def __post_init__(self):
@@ -53,7 +54,8 @@ class Candidate:
     def as_dict(self) -> dict:
         return {"pending_prefill": self.pending_prefill, "pending_decode": self.pending_decode,
                 "prefill_rate": self.prefill_rate, "decode_rate": self.decode_rate,
-                "cached_prefix": self.cached_prefix, "score": round(self.score, 6)}
+                "cached_prefix": self.cached_prefix, "score": round(self.score, 6),
+                **({"eta": round(self.eta, 6)} if self.eta is not None else {})}
 
 
 def candidate(backend: str, bookings: list[Booking], prompt_tokens: int, cached_prefix: int, max_tokens: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mvllm.errors import InvalidRequestError
 from mvllm.routing.cost import Candidate
 
-POLICIES = ("mixed", "gpu-only", "cpu-only", "round-robin", "split:K")
+POLICIES = ("mixed", "eta", "gpu-only", "cpu-only", "round-robin", "split:K")
 
 
 class Policy:
@@ -21,6 +21,15 @@ class Mixed(Policy):
 
     def choose(self, alive, candidates):
         return min(alive, key=lambda b: candidates[b].score)
+
+
+class Eta(Policy):
+    """The backend where the request is predicted to finish first (see routing/eta.py)."""
+
+    name, needs_scores = "eta", True
+
+    def choose(self, alive, candidates):
+        return min(alive, key=lambda b: candidates[b].eta)
 
 
 class Only(Policy):
@@ -69,6 +78,8 @@ def make_policy(text: str, backends: list[str]) -> Policy:
 
     if text == "mixed":
         return Mixed()
+    if text == "eta":
+        return Eta()
     if text in ("gpu-only", "cpu-only"):
         need(text.split("-")[0])
         return Only(text.split("-")[0])

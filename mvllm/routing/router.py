@@ -10,6 +10,7 @@ from typing import IO
 
 from mvllm.errors import MvllmError
 from mvllm.routing.cost import Booking, Candidate, candidate
+from mvllm.routing.eta import Timing, finish_time
 from mvllm.routing.policies import make_policy
 
 
@@ -28,6 +29,12 @@ class Router:
             if missing:
                 raise MvllmError(f"policy {policy} needs prefill_rate and decode_rate for backend(s) "
                                  f"{', '.join(missing)}: pass --profile (made by `mvllm profile`)")
+        self.timings = {b: Timing.from_profile(r) for b, r in self.rates.items() if "prefill_rate" in r}
+        if self.policy.name == "eta":
+            missing = [b for b in self.backends if not self.timings.get(b)]
+            if missing:
+                raise MvllmError(f"policy eta needs per-batch decode step times for backend(s) "
+                                 f"{', '.join(missing)}: pass a --profile made by `mvllm profile`")
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
         self.alive = {b: True for b in self.backends}
         self.decisions = {b: 0 for b in self.backends}
@@ -41,8 +48,12 @@ class Router:
         for b in self.alive_backends():
             r = self.rates.get(b)
             if r:
-                out[b] = candidate(b, list(self.bookings[b].values()), prompt_tokens, cached.get(b, 0),
-                                   max_tokens, float(r["prefill_rate"]), float(r["decode_rate"]))
+                booked = list(self.bookings[b].values())
+                c = candidate(b, booked, prompt_tokens, cached.get(b, 0), max_tokens, float(r["prefill_rate"]),
+                              float(r["decode_rate"]))
+                if self.timings.get(b):
+                    c.eta = finish_time(self.timings[b], booked, prompt_tokens - cached.get(b, 0), max_tokens)
+                out[b] = c
         return out
 
     def route(self, request_id: str, prompt_tokens: int, max_tokens: int, cached: dict[str, int]) -> str:

@@ -1,0 +1,54 @@
+"""Estimated finish time of a new request on one backend, from the profile's per-batch step times.
+
+The brief's score divides all pending decode tokens by one aggregate rate, so it prices a lone request on
+an idle CPU at the CPU's full-batch throughput, though that request decodes at the batch-1 speed. This model
+replays the backend's FCFS queue instead: at most max_active requests run, each decode step costs the
+profiled step time at the current batch size, and a request starts decoding after its uncached prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mvllm.routing.cost import Booking
+
+
+@dataclass(slots=True)
+class Timing:
+    prefill_rate: float
+    step_s: list[float]  # step_s[b - 1]: seconds per decode step with b running requests
+
+    @classmethod
+    def from_profile(cls, entry: dict) -> Timing | None:
+        table = {d["batch"]: d["step_ms"] / 1000 for d in entry.get("decode", []) if "step_ms" in d}
+        if not table:
+            return None
+        steps = [table.get(b) for b in range(1, max(table) + 1)]
+        for i, s in enumerate(steps):  # fill unmeasured batch sizes from the nearest smaller one
+            steps[i] = s if s is not None else steps[i - 1]
+        return cls(float(entry["prefill_rate"]), steps)
+
+    @property
+    def max_active(self) -> int:
+        return len(self.step_s)
+
+
+def finish_time(timing: Timing, bookings: list[Booking], new_prefill: int, new_decode: int) -> float:
+    """Seconds from now until the new request would finish if it were queued behind `bookings`."""
+    running = [[b.pending_decode, False] for b in bookings if b.active]
+    queue = [(b.pending_prefill, b.pending_decode, False) for b in bookings if not b.active]
+    queue.append((new_prefill, new_decode, True))
+    t = sum(b.pending_prefill for b in bookings if b.active) / timing.prefill_rate
+    while True:
+        while queue and len(running) < timing.max_active:
+            prefill, decode, is_new = queue.pop(0)
+            t += prefill / timing.prefill_rate
+            running.append([decode, is_new])
+        step = timing.step_s[min(len(running), timing.max_active) - 1]
+        k = min(r[0] for r in running)
+        t += k * step
+        for r in running:
+            r[0] -= k
+        if any(is_new for left, is_new in running if left <= 0):
+            return t
+        running = [r for r in running if r[0] > 0]
