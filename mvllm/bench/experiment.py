@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mvllm.errors import MvllmError
+from mvllm.routing.policies import POLICIES
 
 try:
     import tomllib
@@ -35,7 +36,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ARRIVALS = ("fixed", "poisson", "gamma")
-POLICIES = ("mixed", "gpu-only", "cpu-only", "round-robin", "split:K")
 
 
 class ExperimentError(MvllmError):

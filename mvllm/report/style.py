@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 POLICY_COLORS = {"gpu-only": "#4C72B0", "mixed": "#DD8452", "cpu-only": "#55A868", "round-robin": "#8172B3",
-                 "external": "#937860"}
+                 "eta": "#C44E9A", "external": "#937860"}
 BACKEND_COLORS = {"gpu": "#C44E52", "cpu": "#2A9D8F"}
 SPARE = ["#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD", "#1B4F72", "#7E5109", "#6C3483", "#117864"]
 
