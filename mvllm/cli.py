@@ -13,7 +13,7 @@ from mvllm.model.loader import DEFAULT_MODEL
 
 app = typer.Typer(help="Serve a language model on CPU and GPU backends at once, and benchmark how whole "
                        "requests should be routed between them.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+                  pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 console = Console(stderr=True, soft_wrap=True)
 
 
@@ -106,7 +106,8 @@ def serve(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
                                             "gpu=cuda,cpu=cpu/quant=int8 (default: a GPU if present, and the CPU)."),
-    policy: str = typer.Option("mixed", help="mixed, gpu-only, cpu-only, round-robin or split:K."),
+    policy: str = typer.Option("mixed", help="mixed (the brief's cost score), eta (predicted finish time), "
+                                             "gpu-only, cpu-only, round-robin or split:K."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates `mixed` needs)."),
     max_active: int = typer.Option(None, help="Most running requests per backend (default 4)."),
     host: str = typer.Option("127.0.0.1"),
@@ -130,7 +131,7 @@ def bench(
     experiment: str = typer.Argument(None, help="An experiment file (experiments/*.toml). Without one: the "
                                                 "reference workload on the default model and backends."),
     policy: str = typer.Option(None, help="Comma-separated policies to run instead of the experiment's: "
-                                          "mixed, gpu-only, cpu-only, round-robin, split:K."),
+                                          "mixed, eta, gpu-only, cpu-only, round-robin, split:K."),
     runs: int = typer.Option(None, help="Runs per policy (default: the experiment's)."),
     out: str = typer.Option(None, help="Results folder (default: results/<experiment name>)."),
     url: str = typer.Option(None, help="Benchmark this external OpenAI-compatible server instead "

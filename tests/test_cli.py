@@ -1,0 +1,27 @@
+"""Every subcommand's --help renders (help texts hold brackets that must not be read as markup)."""
+
+import pytest
+from typer.testing import CliRunner
+
+from mvllm.cli import app
+
+
+@pytest.mark.parametrize("command", ["generate", "profile", "serve", "bench", "report"])
+def test_help_renders(command):
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output and "--" in result.output
+
+
+def test_serve_rejects_bad_input_before_loading_anything():
+    runner = CliRunner()
+    for args, message in [
+        (["--backends", "gpu=cpu,gpu=cpu", "--policy", "gpu-only"], "given twice"),
+        (["--backends", "gpu=cpu,cpu=cpu", "--policy", "fastest"], "unknown policy"),
+        (["--backends", "gpu=cpu,cpu=cpu", "--policy", "mixed"], "--profile"),
+        (["--backends", "gpu=cpu,cpu=cpu", "--policy", "mixed", "--profile", "/nonexistent.json"], "does not exist"),
+        (["--backends", "gpu=tpu,cpu=cpu", "--policy", "gpu-only"], "unknown device"),
+    ]:
+        result = runner.invoke(app, ["serve", "--model", "synthetic:tiny-qwen2", *args])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
