@@ -3,7 +3,7 @@
     NAME=DEVICE[/KEY=VALUE]...[,NAME=DEVICE...]
     e.g.  gpu=cuda,cpu=cpu/quant=int8/threads=8      gpu=cpu,cpu=cpu (tests: two CPU backends)
 
-Keys: dtype, quant (none|int8|w8a8), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off).
+Keys: dtype, quant (none|int8|int8w), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off).
 A backend's name is its role for the router (the "gpu" of gpu-only); its device is a setting.
 """
 

@@ -1,4 +1,4 @@
-"""int8 weights (dynamic int8 Linear, float32 activations) on the CPU backend."""
+"""Quantized CPU backends: int8 (dynamic int8 Linear) and int8w (weight-only int8)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from mvllm.errors import InvalidRequestError
 from mvllm.model.attention import build_meta
 from mvllm.model.loader import build_model, resolve
 
-# Stated tolerances, per position, quantized logits vs float32 logits: int8 (weights only) >= 0.99
-# everywhere; w8a8 (activations int8 too) >= 0.99 on the synthetic models (small, outlier-free weights)
-# and >= 0.9 on the tiny HF model, whose large random biases make activation outliers.
-COSINE = {("int8", "synthetic"): 0.99, ("int8", "hf"): 0.99, ("w8a8", "synthetic"): 0.99, ("w8a8", "hf"): 0.9}
+# Stated tolerances, per position, quantized logits vs float32 logits: int8w (weights only) >= 0.99
+# everywhere; int8 (activations quantized per call too) >= 0.99 on the synthetic models (small,
+# outlier-free weights) and >= 0.9 on the tiny HF model, whose large random biases make activation outliers.
+COSINE = {("int8w", "synthetic"): 0.99, ("int8w", "hf"): 0.99, ("int8", "synthetic"): 0.99, ("int8", "hf"): 0.9}
 
 
 def all_logits(model, ids: list[int]) -> torch.Tensor:
@@ -30,12 +30,12 @@ def all_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def quantized_layers(model, quant: str) -> list:
-    kind = Int8Linear if quant == "int8" else torch.ao.nn.quantized.dynamic.Linear
+    kind = Int8Linear if quant == "int8w" else torch.ao.nn.quantized.dynamic.Linear
     return [m for m in (model.lm_head, model.layers[0].mlp.down_proj, model.layers[-1].self_attn.qkv_proj)
             if isinstance(m, kind)]
 
 
-@pytest.mark.parametrize("quant", ["int8", "w8a8"])
+@pytest.mark.parametrize("quant", ["int8", "int8w"])
 @pytest.mark.parametrize("spec", ["synthetic:tiny-qwen2", "synthetic:tiny-llama", "hf"])
 def test_quantized_logits_close_to_float32(spec, quant, tiny):
     source = resolve(str(tiny("qwen2")[0]) if spec == "hf" else spec)
@@ -53,7 +53,7 @@ def test_quantized_logits_close_to_float32(spec, quant, tiny):
         assert cos.min().item() >= COSINE[quant, "hf" if spec == "hf" else "synthetic"], cos
 
 
-@pytest.mark.parametrize("quant", ["int8", "w8a8"])
+@pytest.mark.parametrize("quant", ["int8", "int8w"])
 def test_quantized_engine_generates(quant):
     ids = prompts(5, [30, 9], vocab=500)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -66,13 +66,13 @@ def test_quantized_engine_generates(quant):
     assert [len(o.token_ids) for o in q] == [8, 8]
 
 
-def test_int8_keeps_smollm2_logits(smollm2):
+def test_int8w_keeps_smollm2_logits(smollm2):
     """Real weights (SmolLM2-135M, with its activation outliers): weight-only int8 stays close."""
     source = smollm2.engine.source
     ids = smollm2.tokenizer.encode("The capital of France is Paris. The quick brown fox jumps over the lazy dog. " * 3)
     cpu = torch.device("cpu")
     a = all_logits(build_model(source, cpu, torch.float32), ids)
-    b = all_logits(quantize(build_model(source, cpu, torch.float32), "int8", cpu), ids)
+    b = all_logits(quantize(build_model(source, cpu, torch.float32), "int8w", cpu), ids)
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     assert cos.mean().item() >= 0.99 and cos.min().item() >= 0.98, cos
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.95

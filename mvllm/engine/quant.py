@@ -1,14 +1,15 @@
-"""Weight quantization for the CPU backend.
+"""Weight quantization for the CPU backend (float32 activations in and out of every layer).
 
-- `int8`: int8 weights (one scale per output row), float32 activations. Small batches run
-  `torch._weight_int8pack_mm`; larger ones de-quantize the weight and run a float32 matmul.
-- `w8a8`: PyTorch's dynamic int8 Linear (fbgemm/onednn): weights int8 per output row, activations
-  quantized to int8 per call with one scale per tensor. Fastest on CPUs without AVX-512, but activation
-  outliers hurt it: on SmolLM2-135M (real weights) its logits kept a mean cosine of only 0.72 to float32's,
-  where `int8` kept 0.998 (tests/test_quant.py states the tolerances).
-Measured on a 2-core EPYC (AVX2), one 896x9728 projection: 3.2 ms float32, 0.45 ms w8a8, 6.4 ms
-`_weight_int8pack_mm` at batch 1; 83 / 41 / 3500 ms at 516 tokens. results/profile/README.md has the
-numbers of the 16-core GPU machine. The tied lm_head gets its own quantized copy; the embedding stays float32.
+- `int8`: PyTorch's dynamic int8 Linear (fbgemm/onednn): weights int8 with one scale per output row;
+  inside each Linear the activations are quantized to int8 per call, with one scale per tensor.
+  The fastest CPU path measured (results/profile/README.md), but activation outliers hurt it: on
+  SmolLM2-135M (real weights) its logits kept a mean cosine of only 0.72 to float32's.
+- `int8w`: weight-only int8 (one scale per output row), float32 activations: accurate (SmolLM2: mean
+  cosine 0.998) but slow, since `torch._weight_int8pack_mm` is slower than the float32 GEMV on x86
+  (1.19 vs 0.13 ms for a 896x9728 projection at batch 1 on the H200 machine's 16-core Xeon). Batches of
+  more than PACKED_MAX_ROWS tokens de-quantize the weight and run the float32 GEMM instead.
+tests/test_quant.py states the tolerances. The tied lm_head gets its own quantized copy; the embedding
+stays float32.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from mvllm.errors import InvalidRequestError
 from mvllm.model.decoder import Decoder
 
-QUANTS = ("none", "int8", "w8a8")
+QUANTS = ("none", "int8", "int8w")
 PACKED_MAX_ROWS = 8  # above this many tokens, de-quantize and use the float32 GEMM
 
 
@@ -70,7 +71,7 @@ def quantize(model: Decoder, quant: str, device: torch.device) -> Decoder:
         raise InvalidRequestError(f"quant={quant} runs on the cpu device only", "quant")
     model = model.float()
     _untie(model)
-    if quant == "int8":
+    if quant == "int8w":
         _swap(model)
         return model
     with warnings.catch_warnings():
