@@ -228,21 +228,28 @@ def save_profile(profile: dict, path: str | Path) -> Path:
 
 
 def table(profile: dict):
+    """Rich tables: one row per backend, then mvllm/transformers ratios where a baseline ran."""
+    from rich.console import Group
     from rich.table import Table
 
     t = Table(title=f"mvllm profile: {profile['model']}")
-    for col in ("backend", "device", "dtype/quant", "threads", "cold prefill tok/s", "warm ms",
-                "decode ms/step (b=1..n)", "prefill_rate", "decode_rate", "vs transformers"):
-        t.add_column(col, justify="right" if col not in ("backend", "device") else "left")
+    for col in ("backend", "setting", "cold prefill tok/s (length)", "warm ms", "decode ms/step (batch 1..n)",
+                "prefill_rate", "decode_rate"):
+        t.add_column(col, justify="left" if col in ("backend", "setting") else "right")
+    ratios = Table(title="mvllm / transformers (above 1: mvllm faster)")
+    ratios.add_column("backend")
+    ratios.add_column("ratios")
     for name, b in profile["backends"].items():
-        cold = " ".join(f"{p['tokens']}:{p['tok_s']:.0f}" for p in b.get("prefill", []) if p["kind"] == "cold")
-        warm = next((f"{p['ms']:.1f}" for p in b.get("prefill", []) if p["kind"] == "warm"), "-")
+        pre = b.get("prefill", [])
+        cold = " ".join(f"{p['tok_s']:.0f} ({p['tokens']})" for p in pre if p["kind"] == "cold")
+        warm = next((f"{p['ms']:.1f}" for p in pre if p["kind"] == "warm"), "-")
         dec = " ".join(f"{d['step_ms']:.1f}" for d in b.get("decode", []))
-        ratios = b.get("baseline", {}).get("ratios", {})
-        vs = " ".join(f"{k}:{v:.1f}x" for k, v in ratios.items()) or "-"
-        t.add_row(name, f"{b.get('device', '?')} ({b.get('device_name', '')})", f"{b.get('dtype')}/{b.get('quant')}",
-                  str(b.get("threads", "")), cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}", vs)
-    return t
+        setting = f"{b.get('device', '?')} {b.get('dtype', '')} {b.get('quant', '')} x{b.get('threads', '')}"
+        t.add_row(name, setting, cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}")
+        got = b.get("baseline", {}).get("ratios", {})
+        if got:
+            ratios.add_row(name, "  ".join(f"{k} {v:.2f}" for k, v in got.items()))
+    return Group(t, ratios) if ratios.row_count else t
 
 
 def cli_profile(model: str, backends: str | None, out: str | None, json_out: bool, baseline: str | None,
