@@ -45,7 +45,8 @@ def test_paper_experiments_are_the_reference(name, requests):
     w = exp.workload
     assert (w.requests, w.prefix_tokens, w.suffix_tokens, w.output_tokens) == (requests, 496, 20, 128)
     assert (w.arrival, w.interval, w.warm) == ("fixed", 0.05, True)
-    assert (exp.max_active, exp.runs, exp.policies) == (4, 3, ["gpu-only", "mixed"])
+    assert (exp.max_active, exp.runs) == (4, 3)
+    assert {"gpu-only", "mixed"} <= set(exp.policies)
     assert exp.model == "synthetic:qwen2.5-0.5b"
 
 
