@@ -55,7 +55,7 @@ def timeline(res: Results, path, value=None) -> None:
     if res.knob:
         what += f", {res.knob} = {value}"
     fig.suptitle(title(res, what), x=0.01, ha="left")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
     save(fig, path)
 
 
@@ -75,14 +75,15 @@ def scores(res: Results, path, value=None) -> bool:
     for ax, (p, run) in zip(axes[:, 0], runs, strict=True):
         decisions = [d for d in run.routing if d.get("candidates")]
         t0 = run.summary.get("start_time") or decisions[0]["time"]
+        key = "eta" if p == "eta" else "score"  # eta decides by predicted finish time, not by the score
         for b in backends:
-            pts = [(d["time"] - t0, d["candidates"][b]["score"], d["choice"] == b)
-                   for d in decisions if b in d["candidates"]]
+            pts = [(d["time"] - t0, d["candidates"][b][key], d["choice"] == b)
+                   for d in decisions if key in d["candidates"].get(b, {})]
             if not pts:
                 continue
             color = backend_color(b, backends)
             xs, ys, chosen = zip(*pts, strict=True)
-            ax.plot(xs, ys, color=color, lw=1.2, alpha=0.8, label=f"{b} score")
+            ax.plot(xs, ys, color=color, lw=1.2, alpha=0.8, label=f"{b} {'predicted finish' if key == 'eta' else key}")
             ax.scatter([x for x, c in zip(xs, chosen, strict=True) if c],
                        [y for y, c in zip(ys, chosen, strict=True) if c],
                        s=46, color=color, edgecolor="black", zorder=3, label=f"{b} chosen")
@@ -92,15 +93,15 @@ def scores(res: Results, path, value=None) -> bool:
         n = len(decisions)
         ax.set_title(f"{p} ({run.summary.get('run_id', '')}): {n} decisions; filled = the backend chosen",
                      loc="left", fontsize=10)
-        ax.set_ylabel("score (s of pending work)")
+        ax.set_ylabel("predicted finish (s from now)" if key == "eta" else "score (s of pending work)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     axes[-1][0].set_xlabel("time of the decision since the first request was sent (s)")
-    what = "Router scores at each decision (lower wins)"
+    what = "Router scores at each decision (lower wins; eta: predicted finish time)"
     if res.knob:
         what += f", {res.knob} = {value}"
     fig.suptitle(title(res, what), x=0.01, ha="left")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
     save(fig, path)
     return True
