@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mvllm.backends import BackendSpec
+from mvllm.bench.env import cpu_name, git_commit
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
@@ -134,34 +134,13 @@ def device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
         return "Apple MPS"
-    return cpu_model()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str | None:
-    if os.environ.get("MVLLM_GIT_COMMIT"):
-        return os.environ["MVLLM_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return cpu_name()
 
 
 def environment(model: str) -> dict:
     import transformers
 
-    return {"model": model, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+    return {"model": model, "cpu_model": cpu_name(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "cuda": torch.version.cuda,
