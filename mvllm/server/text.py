@@ -1,4 +1,10 @@
-"""Incremental detokenization with stop strings."""
+"""Incremental detokenization with stop strings.
+
+Each token decodes only a short window (vLLM's prefix/read offsets), so a long answer costs linear work:
+the text of ids[prefix:read] is already decoded, and what ids[prefix:] adds beyond it is the new text.
+With stop strings, the last len(longest stop) - 1 characters are held back until the next token shows
+they do not begin a stop string.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +13,34 @@ from mvllm.llm import Tokenizer
 
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
-        self.text = ""
+        self.decoded = ""
+        self.sent = 0
+        self.prefix = self.read = 0
+
+    @property
+    def text(self) -> str:
+        return self.decoded[:self.sent]
 
     def add(self, token: int, final: bool = False) -> tuple[str, bool]:
-        """Add one token; returns (new text, whether a stop string ended the output)."""
+        """Add one token; returns (text to send now, whether a stop string ended the output)."""
         self.ids.append(token)
-        full = self.tokenizer.decode(self.ids)
-        if full is None:
+        if self.tokenizer.hf is None:
             return "", False
-        if full.endswith("\ufffd") and not final:
-            return "", False  # an incomplete UTF-8 sequence: wait for the next token
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(window) > len(done) and (final or not window.endswith("\ufffd")):
+            self.decoded += window[len(done):]
+            self.prefix, self.read = self.read, len(self.ids)
         for s in self.stop:
-            at = full.find(s, max(len(self.text) - len(s), 0))
+            at = self.decoded.find(s, max(self.sent - len(s) + 1, 0))
             if at != -1:
-                full = full[:at]
-                delta, self.text = full[len(self.text):], full
-                return delta, True
-        delta, self.text = full[len(self.text):], full
-        return delta, False
+                return self._send(at), True
+        return self._send(len(self.decoded) if final else max(len(self.decoded) - self.hold, self.sent)), False
+
+    def _send(self, upto: int) -> str:
+        out = self.decoded[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out
