@@ -1,12 +1,14 @@
 """Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples.
 
 On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs; larger
-steps, and every step on CPU and MPS, run eagerly."""
+steps, and every step on CPU and MPS, run eagerly. On x86 CPUs in float32 the Linear layers run through
+oneDNN with pre-packed weights (`quant.pack`)."""
 
 from __future__ import annotations
 
 import torch
 
+from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample
 from mvllm.engine.scheduler import Batch
 from mvllm.model.attention import build_meta
@@ -17,6 +19,8 @@ class ModelRunner:
     def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, num_blocks: int,
                  block_size: int, graphs: bool = False, max_active: int = 4, max_model_len: int = 4096):
         cfg = model.cfg
+        if packable(device, dtype):
+            pack(model)
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         scratch = num_blocks * block_size  # one extra slot: where padded graph rows write their K/V
         shape = (2, scratch + 1, cfg.num_kv_heads, cfg.head_dim)
