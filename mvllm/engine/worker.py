@@ -12,6 +12,7 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -33,6 +34,7 @@ def snapshot(engine: Engine, spec: BackendSpec) -> dict:
 
 
 def worker_main(spec_dict: dict, model: str, commands, events) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     spec = BackendSpec(**spec_dict)
     lock = threading.Lock()
 
