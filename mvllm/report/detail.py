@@ -10,6 +10,15 @@ from mvllm.report.load import Results, Run
 from mvllm.report.style import backend_color, figure, save, title
 
 
+def _finish(fig, res: Results, what: str, value, path) -> None:
+    """Title (with the sweep value), a layout that keeps the title clear of the first panel, save."""
+    if res.knob:
+        what += f", {res.knob} = {value}"
+    fig.suptitle(title(res, what), x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
+    save(fig, path)
+
+
 def _panel_height(n: int) -> float:
     return min(max(2.4, 0.14 * n + 1.2), 7.0)
 
@@ -51,12 +60,7 @@ def timeline(res: Results, path, value=None) -> None:
     if any((r.requests["error"] != "").any() for r in runs):
         handles.append(Line2D([], [], color="crimson", marker="x", ls="none", ms=8, mew=2, label="failed"))
     axes[0][0].legend(handles=handles, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
-    what = "Timeline of every request, one run per policy (median batch completion)"
-    if res.knob:
-        what += f", {res.knob} = {value}"
-    fig.suptitle(title(res, what), x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
-    save(fig, path)
+    _finish(fig, res, "Timeline of every request, one run per policy (median batch completion)", value, path)
 
 
 def scored(run: Run | None) -> bool:
@@ -98,10 +102,5 @@ def scores(res: Results, path, value=None) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     axes[-1][0].set_xlabel("time of the decision since the first request was sent (s)")
-    what = "Router scores at each decision (lower wins; eta: predicted finish time)"
-    if res.knob:
-        what += f", {res.knob} = {value}"
-    fig.suptitle(title(res, what), x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
-    save(fig, path)
+    _finish(fig, res, "Router scores at each decision (lower wins; eta: predicted finish time)", value, path)
     return True
