@@ -81,7 +81,7 @@ class LLM:
             raise InvalidRequestError(f"model {self.tokenizer.model_spec} has no tokenizer, so stop strings "
                                       "cannot be matched; use stop_token_ids", "stop")
         for ids in prompt_ids:
-            self.engine.check_prompt(ids, params)
+            self.engine.check_prompt(ids)
         seqs = [self.engine.add_request(ids, params) for ids in prompt_ids]
         texts: dict[str, str] = {}
         while self.engine.has_unfinished():

@@ -156,7 +156,6 @@ def test_cached_prefix_len_of_a_warmed_prefix_changes_nothing(engine):
     assert engine.cached_prefix_len(prompt[:496]) == 480  # the last token is always computed
     assert snapshot(bm) == before
     seq = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    assert seq.estimated_cached_tokens == 496
     while engine.has_unfinished():
         engine.step()
     assert seq.num_cached_tokens == 496

@@ -202,7 +202,6 @@ def test_warm_seeds_the_cache(llama):
     assert eng.warm(prefix) == 32
     assert eng.blocks.num_free == eng.blocks.num_blocks
     seq = eng.add_request(prefix + [1, 2, 3], greedy(2))
-    assert seq.estimated_cached_tokens == 32
     drain(eng)
     assert seq.num_cached_tokens == 32
 

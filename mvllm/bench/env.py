@@ -75,7 +75,3 @@ def describe(backends: list | None = None) -> dict:
         env["devices"] = {b.name: (cpu if b.device == "cpu" else gpu or b.device) for b in backends}
     return env
 
-
-def device_label(env: dict) -> str:
-    """A short device description for chart titles: the GPU's name where there is one, else the CPU."""
-    return env.get("gpu") or env.get("cpu") or "unknown device"

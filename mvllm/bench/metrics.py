@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 PERCENTILES = (95, 99)
-METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass(slots=True)

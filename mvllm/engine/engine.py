@@ -72,6 +72,18 @@ class EngineConfig:
             raise InvalidRequestError(f"quant={self.quant} runs on the cpu device with float32 activations only", "quant")
 
 
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt must be non-empty token ids of the vocabulary, leaving room for one generated token.
+    (The KV pool always holds max_model_len tokens: Engine caps max_model_len at the pool's size.)"""
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
+    if len(token_ids) >= max_model_len:
+        raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but this model's context is "
+                                 f"{max_model_len}; shorten the prompt", "prompt")
+
+
 @dataclass(slots=True)
 class StepOutput:
     seq: Sequence
@@ -107,30 +119,16 @@ class Engine:
         enough = self.config.max_active * -(-self.source.config.max_position // self.config.block_size) * 2
         return max(min(by_budget, enough), 1)
 
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.source.config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", "prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens but this model's context is {self.max_model_len}; "
-                "shorten the prompt", "prompt")
-        peak = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if self.blocks.blocks_needed(peak) > self.blocks.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {peak} tokens of KV cache but the pool holds "
-                f"{self.blocks.num_blocks * self.blocks.block_size}", "max_tokens")
+    def check_prompt(self, token_ids: list[int]) -> None:
+        check_prompt(token_ids, self.source.config.vocab_size, self.max_model_len)
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival: float | None = None) -> Sequence:
         params.validate()
-        self.check_prompt(token_ids, params)
+        self.check_prompt(token_ids)
         seq = Sequence(token_ids, params, request_id, arrival)
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use", "request_id")
-        seq.estimated_cached_tokens = self.blocks.cached_prefix_len(token_ids)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -161,7 +159,7 @@ class Engine:
     def warm(self, token_ids: list[int]) -> int:
         """Compute and cache the KV of a prefix (its full blocks); returns the tokens now cached."""
         seq = Sequence(token_ids, SamplingParams(max_tokens=1))
-        self.check_prompt(token_ids, seq.params)
+        self.check_prompt(token_ids)
         if not self.blocks.can_allocate(seq):
             raise InvalidRequestError("not enough free KV blocks to warm this prefix now", "prompt")
         self.blocks.allocate(seq)

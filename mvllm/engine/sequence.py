@@ -41,7 +41,6 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.estimated_cached_tokens = 0
         self.finish_reason: str | None = None
         self.early_stop_ids: list[int] = []  # masked from sampling until min_tokens outputs exist
         self.generator = None

@@ -14,7 +14,6 @@ import os
 import queue
 import signal
 import threading
-import time
 import traceback
 from collections.abc import Callable
 
@@ -24,13 +23,20 @@ from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 
 
-def snapshot(engine: Engine, spec: BackendSpec) -> dict:
+def load(engine: Engine) -> dict:
+    """What changes step to step; sent with every step's tokens."""
     s, b = engine.scheduler, engine.blocks
-    return {"name": spec.name, "device": spec.device, "dtype": str(engine.dtype).removeprefix("torch."),
-            "quant": spec.quant, "max_active": s.max_active, "running": len(s.running), "waiting": len(s.waiting),
-            "free_blocks": b.num_free, "num_blocks": b.num_blocks, "block_size": b.block_size,
+    return {"running": len(s.running), "waiting": len(s.waiting), "free_blocks": b.num_free,
             "kv_usage": round(b.usage(), 4), "prefix_queries": b.queries, "prefix_hits": b.hits,
-            "preemptions": s.num_preemptions, "max_model_len": engine.max_model_len, "pid": os.getpid()}
+            "preemptions": s.num_preemptions}
+
+
+def snapshot(engine: Engine, spec: BackendSpec) -> dict:
+    """The backend's settings and its load now."""
+    b = engine.blocks
+    return {"name": spec.name, "device": spec.device, "dtype": str(engine.dtype).removeprefix("torch."),
+            "quant": spec.quant, "max_active": engine.scheduler.max_active, "num_blocks": b.num_blocks,
+            "block_size": b.block_size, "max_model_len": engine.max_model_len, "pid": os.getpid(), **load(engine)}
 
 
 def worker_main(spec_dict: dict, model: str, commands, events) -> None:
@@ -66,8 +72,12 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
                 return
 
     threading.Thread(target=control, name="control", daemon=True).start()
-    engine.on_schedule = lambda batch: send(
-        ("scheduled", [(s.request_id, s.num_cached_tokens) for s in batch.prefill], time.time()))
+
+    def on_schedule(batch) -> None:  # admissions only: a decode-only step sends nothing here
+        if batch.prefill:
+            send(("scheduled", [(s.request_id, s.num_cached_tokens) for s in batch.prefill]))
+
+    engine.on_schedule = on_schedule
     send(("ready", snapshot(engine, spec)))
     while True:
         try:
@@ -112,7 +122,7 @@ def _step(engine: Engine, spec: BackendSpec, send: Callable) -> None:
         return
     if outs:
         tokens = [(o.seq.request_id, o.token, o.seq.finish_reason if o.finished else None) for o in outs]
-        send(("step", tokens, time.time(), snapshot(engine, spec)))
+        send(("step", tokens, load(engine)))
 
 
 class ProcessBackend:

@@ -32,10 +32,6 @@ class AttnMeta:
     block_size: int = 0  # with block_index
     keys_len: int = 0  # with block_index: Lk
 
-    @property
-    def decode_only(self) -> bool:
-        return self.layout == "rows"
-
 
 def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
                device: torch.device) -> AttnMeta:

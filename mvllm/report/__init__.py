@@ -9,8 +9,6 @@ from mvllm.report import charts, detail
 from mvllm.report.load import load
 from mvllm.report.summary import markdown
 
-CHARTS = ("makespan", "latency", "timeline", "scores", "sweep")
-
 
 def report(folder: Path, out: Path | None = None) -> list[Path]:
     """Write the charts and summary.md of one experiment; returns the files written."""

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mvllm.engine.engine import check_prompt
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.llm import Tokenizer
@@ -61,44 +62,39 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
         return error(500, f"internal error: {type(exc).__name__}", kind="internal_error", code="internal_error")
 
     max_len = min(s["max_model_len"] for s in cluster.snapshots.values())
-    pool = min(s["num_blocks"] * s["block_size"] for s in cluster.snapshots.values())
 
-    def check(body, token_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def served(body) -> None:
         if body.model != model_name:
             raise InvalidRequestError(f"model {body.model!r} is not served here; this server serves "
                                       f"{model_name!r}", "model")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
-        if len(token_ids) >= max_len:
-            raise InvalidRequestError(f"this model's maximum context length is {max_len} tokens; the prompt "
-                                      f"has {len(token_ids)}", "prompt")
+
+    def check(body, token_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        """max_tokens: what the client asked for; None means up to the context's end."""
+        check_prompt(token_ids, vocab_size, max_len)
         default = max_len - len(token_ids)
-        params = body.sampling_params(min(max_tokens, default) if max_tokens else default)
-        if params.max_tokens > default:
-            params.max_tokens = default  # as vLLM: generation stops at the context's end
-        if min(len(token_ids) + params.max_tokens, max_len) > pool:
-            raise InvalidRequestError(f"the request needs more KV cache than a backend holds ({pool} tokens)",
-                                      "max_tokens")
+        params = body.sampling_params(max_tokens if max_tokens is not None else default)
+        params.max_tokens = min(params.max_tokens, default)  # as vLLM: generation stops at the context's end
         return params
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        served(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise InvalidRequestError("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         token_ids = tokenizer.encode(prompt)
-        params = check(body, token_ids, body.max_tokens or 16)
+        params = check(body, token_ids, 16 if body.max_tokens is None else body.max_tokens)
         return await respond(body, token_ids, params, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        served(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         token_ids = tokenizer.apply_chat_template(messages)
-        params = check(body, token_ids, body.max_completion_tokens or body.max_tokens)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = check(body, token_ids, asked)
         return await respond(body, token_ids, params, request, chat=True)
 
     async def respond(body, token_ids, params, request: Request, chat: bool):
@@ -122,8 +118,8 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
 
     @app.get("/health")
     async def health():
-        down = [n for n, b in cluster.backends.items() if not b.alive]
-        if down:
+        if not cluster.healthy():
+            down = [n for n, b in cluster.backends.items() if not b.alive]
             return JSONResponse({"status": "degraded", "down": down}, status_code=503)
         return {"status": "ok"}
 

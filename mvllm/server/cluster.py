@@ -59,9 +59,9 @@ class Cluster:
                 self.router.on_scheduled(name, rid, cached)
                 self._put(rid, Event(cached_tokens=cached))
         elif kind == "step":
-            _, tokens, _, snap = msg
-            self.snapshots[name] = snap
-            self.metrics.observe_snapshot(name, snap)
+            _, tokens, load = msg
+            self.snapshots[name].update(load)
+            self.metrics.observe_snapshot(name, load)
             for rid, token, reason in tokens:
                 self.router.on_tokens(name, rid, 1)
                 if reason:

@@ -31,9 +31,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k if self.top_k != 0 else -1, seed=self.seed,
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
