@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mvllm.bench.results import ResultsError, experiments_in
+from mvllm.bench.results import ResultsError, experiments_in, write_json
 from mvllm.report import charts, detail
 from mvllm.report.load import load
+from mvllm.report.oracle import oracle
 from mvllm.report.summary import markdown
 
 
 def report(folder: Path, out: Path | None = None) -> list[Path]:
-    """Write the charts and summary.md of one experiment; returns the files written."""
+    """Write the charts and summary.md of one experiment (and oracle.json where static splits ran);
+    returns the files written."""
     res = load(folder)
     out = out or folder / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -36,8 +38,13 @@ def report(folder: Path, out: Path | None = None) -> list[Path]:
                          ": no policy here logged router scores (only `mixed` does)")
     if res.knob:
         charts.sweep(res, path("sweep"))
+    oracles = oracle(res)
+    if oracles:
+        charts.oracle(res, oracles, path("oracle"))
+        write_json(out / "oracle.json", oracles)
+        written.append(out / "oracle.json")
     md = out / "summary.md"
-    md.write_text(markdown(res, written, notes))
+    md.write_text(markdown(res, [c for c in written if c.suffix == ".png"], notes, oracles))
     return [md, *written]
 
 

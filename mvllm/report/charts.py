@@ -14,6 +14,7 @@ SWEEP_METRICS = (  # (summary key, axis label, scale)
     ("makespan", "batch completion time (s)", 1.0),
     ("output_throughput", "output throughput (tokens/s)", 1.0),
     ("median_ttft_ms", "median TTFT (ms)", 1.0),
+    ("p95_ttft_ms", "p95 TTFT (ms)", 1.0),
     ("p95_e2el_ms", "p95 end-to-end latency (s)", 1e-3),
 )
 
@@ -28,9 +29,13 @@ def _jitter(n: int, width: float, seed: int) -> list[float]:
 
 
 def makespan(res: Results, path) -> None:
-    """Bars: mean batch completion time per policy (per sweep value); dots: every run."""
+    """Bars: mean batch completion time per policy (per sweep value); dots: every run. Many bars: the
+    figure stops widening at 18 inches, the means turn upright and long policy names slant."""
     pols, vals = res.policies, res.values
-    fig, axes = figure(width=max(5.5, 1.3 * len(pols) * len(vals) + 2), height=4.8)
+    bars = len(pols) * len(vals)
+    fig_w = min(max(5.5, 1.3 * bars + 2), 18.0)
+    across = (fig_w - 2) / bars >= 0.75  # inches per bar that "12.34 s" needs written across
+    fig, axes = figure(width=fig_w, height=4.8)
     ax = axes[0][0]
     width = 0.8 / len(pols)
     top = 0.0
@@ -47,12 +52,14 @@ def makespan(res: Results, path) -> None:
             ax.scatter([x + d for d in _jitter(len(xs), width * 0.18, i * 31 + j)], xs, s=22, color="black",
                        zorder=3, label="one run" if i == 0 and j == 0 else None)
             ax.annotate(f"{mean:.2f} s", (x, mean), xytext=(0, -5), textcoords="offset points", ha="center",
-                        va="top", fontsize=9, fontweight="bold", color="white")
+                        va="top", fontsize=9, fontweight="bold", color="white", rotation=0 if across else 90)
     if res.knob:
         ax.set_xticks(range(len(vals)), [str(v) for v in vals])
         ax.set_xlabel(res.knob)
     else:
-        ax.set_xticks([(j - (len(pols) - 1) / 2) * width for j in range(len(pols))], pols)
+        slant = (fig_w - 2) / len(pols) < 0.09 * max(map(len, pols))
+        ax.set_xticks([(j - (len(pols) - 1) / 2) * width for j in range(len(pols))], pols,
+                      rotation=30 if slant else 0, ha="right" if slant else "center")
         ax.set_xlabel("policy")
     ax.set_ylim(0, top * 1.15 if top > 0 else 1)
     ax.set_ylabel("batch completion time (s)")
@@ -121,8 +128,8 @@ def sweep(res: Results, path) -> None:
     pols, vals = res.policies, res.values
     numeric = _numeric(vals)
     xs = vals if numeric else list(range(len(vals)))
-    fig, axes = figure(2, 2, width=12, height=8)
-    for ax, (key, label, scale) in zip(axes.flat, SWEEP_METRICS, strict=True):
+    fig, axes = figure(2, 3, width=16, height=8)
+    for ax, (key, label, scale) in zip(axes.flat, SWEEP_METRICS, strict=False):
         for p in pols:
             means, stds, pts = [], [], []
             for x, v in zip(xs, vals, strict=True):
@@ -140,8 +147,52 @@ def sweep(res: Results, path) -> None:
             ax.set_xticks(xs, [str(v) for v in vals])
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
-    axes[0][0].legend(frameon=False)
+    spare = axes.flat[-1]  # the sixth panel holds the legend
+    spare.axis("off")
+    spare.legend(*axes[0][0].get_legend_handles_labels(), frameon=False, loc="center left")
     fig.suptitle(title(res, f"Metrics against {res.knob}: mean of runs, standard deviation as error bars"),
                  x=0.01, ha="left")
     fig.tight_layout()
+    save(fig, path)
+
+
+def oracle(res: Results, entries: list[dict], path) -> None:
+    """Per sweep value: mean batch completion time of each split:K against K (dots: every run), the
+    baseline and each adaptive policy's mean as horizontal lines, the oracle K ringed and named above."""
+    pols = res.policies
+    cols = min(len(entries), 3)
+    rows = math.ceil(len(entries) / cols)
+    fig, axes = figure(rows, cols, width=max(7.0, 5.2 * cols), height=4.2 * rows + 0.8)
+    for ax in axes.flat[len(entries):]:
+        ax.set_visible(False)
+    legend: dict = {}
+    for ax, e in zip(axes.flat, entries, strict=False):
+        ks = [s["k"] for s in e["splits"]]
+        ax.errorbar(ks, [s["mean"] for s in e["splits"]], yerr=[s["std"] for s in e["splits"]], color="black",
+                    marker="o", lw=1.5, capsize=3, label="split:K mean (± std)", zorder=3)
+        for j, s in enumerate(e["splits"]):
+            ax.scatter([s["k"] + d for d in _jitter(s["n"], 0.08, j)], s["makespans"], s=14, color="grey",
+                       alpha=0.7, zorder=2, label="one run" if j == 0 else None)
+        if e["baseline"] == "gpu-only":
+            ax.axhline(e["baseline_mean"], color=policy_color("gpu-only", pols), ls="--", lw=1.5,
+                       label="gpu-only mean")
+        for a in e["adaptive"]:
+            ax.axhline(a["mean"], color=policy_color(a["policy"], pols), lw=2, label=f"{a['policy']} mean")
+        ax.scatter([e["oracle_k"]], [e["oracle_mean"]], s=220, facecolors="none", edgecolors="crimson", lw=2,
+                   zorder=4, label="oracle (best K)")
+        ax.set_xticks(ks)
+        ax.set_xlabel("K (first K requests to the cpu backend)")
+        ax.set_ylabel("batch completion time (s)")
+        ax.grid(alpha=0.3)
+        best = f"oracle: K = {e['oracle_k']}"
+        if e["baseline"]:
+            best += f", gain {100 * e['oracle_gain']:.1f}% over {e['baseline']}"
+        ax.set_title((f"{res.knob} = {e['value']}\n" if res.knob else "") + best, loc="left", fontsize=10)
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, h)
+    fig.suptitle(title(res, "Static splits against the adaptive routers: batch completion time by K"),
+                 x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
+    names = sorted(legend, key=lambda k: not k.startswith("split:K"))
+    fig.legend([legend[k] for k in names], names, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 0.9))
     save(fig, path)

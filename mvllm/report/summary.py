@@ -31,7 +31,51 @@ def _counts(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items()) or "-"
 
 
-def markdown(res: Results, charts: list[Path], notes: list[str]) -> str:
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _oracle(res: Results, entries: list[dict]) -> list[str]:
+    """The best static split per sweep value, and what share of its gain each adaptive policy captures."""
+    lines = ["", "## Oracle: the best static split", "",
+             "`split:K` sends the first K requests of a run to the cpu backend and the rest to gpu. The oracle is "
+             "the K with the lowest mean batch completion time, known only after running every K. "
+             "Gain = (gpu-only mean - policy mean) / gpu-only mean. The numbers are also in oracle.json."]
+    for e in entries:
+        base = e["baseline"]
+        if res.knob:
+            lines += ["", f"### {res.knob} = {e['value']}"]
+        lines += ["", _row(["K", "runs", "batch completion (s)", f"change vs {base or 'gpu-only'}"]),
+                  _row(["---"] * 4)]
+        for s in e["splits"]:
+            ch = s["change_vs_baseline"]
+            lines.append(_row([s["k"], s["n"], f"{s['mean']:.2f} ± {s['std']:.2f}",
+                               "-" if ch is None else f"{100 * ch:+.1f}%"]))
+        lines.append("")
+        cpu = {a["policy"]: ", ".join(map(str, a["cpu_requests"])) for a in e["adaptive"]}
+        if base is None:
+            lines.append(f"- oracle: K = {e['oracle_k']} ({e['oracle_mean']:.2f} s); no gpu-only or split:0 runs, "
+                         "so no gain can be stated")
+            lines += [f"- {a['policy']}: {a['mean']:.2f} s; cpu requests per run: {cpu[a['policy']]}"
+                      for a in e["adaptive"]]
+            continue
+        if base != BASELINE:
+            lines.append("- baseline: split:0 (every request to gpu), as no gpu-only runs are here")
+        if not e["oracle_gain"]:
+            said = ", ".join(f"{a['policy']} changed makespan by {-100 * a['gain']:+.1f}% (cpu requests per run: "
+                             f"{cpu[a['policy']]})" for a in e["adaptive"])
+            lines.append(f"- no static split beats {base} here (best K = {e['oracle_k']}); the oracle's gain is 0, "
+                         "so a router can only tie or lose" + (f": {said}" if said else ""))
+            continue
+        lines.append(f"- oracle: K = {e['oracle_k']}, {e['oracle_mean']:.2f} s against {base} "
+                     f"{e['baseline_mean']:.2f} s: gain {_pct(e['oracle_gain'])}")
+        lines += [f"- {a['policy']}: {a['mean']:.2f} s, gain {_pct(a['gain'])}, captures "
+                  f"{_pct(a['fraction_of_oracle_gain'])} of the oracle's gain; "
+                  f"cpu requests per run: {cpu[a['policy']]}" for a in e["adaptive"]]
+    return lines
+
+
+def markdown(res: Results, charts: list[Path], notes: list[str], oracles: list[dict] = ()) -> str:
     s, env = res.first.summary, res.first.env
     w = s.get("workload", {})
     lines = [f"# {res.name}", ""]
@@ -68,6 +112,8 @@ def markdown(res: Results, charts: list[Path], notes: list[str]) -> str:
             cells.append(text)
         cells.append("; ".join(_counts(b) for b in r["backend_requests"]))
         lines.append(_row(cells))
+    if oracles:
+        lines += _oracle(res, oracles)
     lines += ["", "## Every run", ""]
     head = ["run", "completed", "failed"] + [c[1] for c in COLUMNS] + ["requests per backend", "cached tokens"]
     lines += [_row(head), _row(["---"] * len(head))]
