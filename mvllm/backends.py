@@ -39,7 +39,7 @@ class BackendSpec:
         return asdict(self)
 
 
-def _convert(key: str, value: str, name: str):
+def convert(key: str, value: str, name: str):
     types = {f.name: f.type for f in fields(BackendSpec)}
     if key not in types or key in ("name", "device"):
         known = ", ".join(k for k in types if k not in ("name", "device"))
@@ -71,7 +71,7 @@ def parse_backends(text: str, max_active: int | None = None) -> list[BackendSpec
             settings["max_active"] = max_active
         for opt in options:
             key, _, value = opt.partition("=")
-            settings[key] = _convert(key, value, name)
+            settings[key] = convert(key, value, name)
         specs.append(BackendSpec(name=name, device=device, **settings))
     if not specs:
         raise InvalidRequestError("no backend given; e.g. --backends gpu=cuda,cpu=cpu", "backends")
@@ -82,6 +82,18 @@ def parse_backends(text: str, max_active: int | None = None) -> list[BackendSpec
         seen.add(spec.name)
         validate(spec)
     return specs
+
+
+def set_option(text: str, name: str, key: str, value: str) -> str:
+    """The backend list `text` with backend `name`'s setting `key` set to `value` (replaced if given)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    for i, part in enumerate(parts):
+        if part.split("=", 1)[0] == name:
+            head, *options = part.split("/")
+            options = [o for o in options if o.partition("=")[0] != key]
+            parts[i] = "/".join([head, *options, f"{key}={value}"])
+            return ",".join(parts)
+    raise InvalidRequestError(f"no backend named {name!r} in {text!r}", "backends")
 
 
 def validate(spec: BackendSpec) -> None:

@@ -12,12 +12,18 @@
     requests = 8
     prefix_tokens = 496
     suffix_tokens = 20
+    # prompt_tokens = 516           # optional: fixed prompt length, the shared prefix is what the suffix leaves
     output_tokens = 128
     arrival = "fixed"               # fixed (interval s) | poisson (rate req/s) | gamma (rate, burstiness)
     interval = 0.05
+    # duration = 60                 # optional: send for this many seconds (replaces `requests`)
     [sweep]                         # optional: one knob, several values
-    knob = "workload.suffix_tokens"
+    knob = "workload.suffix_tokens" # or "max_active", or one backend's setting: "backends.gpu.max_active"
     values = [20, 100, 500]
+
+server = "fresh" starts a new server for every run; "shared" keeps one server for all runs with the same
+model, backends and max_active, and before each run empties its prefix caches (POST /reset_prefix_cache),
+sets the policy (POST /v1/policy) and warms the prefix again: much less time spent starting servers.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ARRIVALS = ("fixed", "poisson", "gamma")
+SERVERS = ("fresh", "shared")
 
 
 class ExperimentError(MvllmError):
@@ -55,6 +62,8 @@ class Workload:
     seed: int = 0
     warm: bool = True
     vocab: int | None = None
+    prompt_tokens: int | None = None
+    duration: float | None = None
 
     @property
     def request_rate(self) -> float:
@@ -77,6 +86,7 @@ class Experiment:
     profile_args: list[str] = field(default_factory=list)
     policies: list[str] = field(default_factory=lambda: ["gpu-only", "mixed"])
     runs: int = 3
+    server: str = "fresh"
     ready_timeout: float = 600.0
     request_timeout: float = 600.0
     description: str = ""
@@ -131,7 +141,15 @@ def from_dict(data: dict, where: str = "experiment") -> Experiment:
 
 def check(exp: Experiment, where: str = "experiment") -> None:
     w = exp.workload
+    if w.prompt_tokens is not None:
+        w.prefix_tokens = w.prompt_tokens - w.suffix_tokens
     rules = [
+        (exp.server in SERVERS, "server", f"must be one of {', '.join(SERVERS)}"),
+        (w.prompt_tokens is None or w.prompt_tokens >= w.suffix_tokens, "workload.prompt_tokens",
+         "must be at least suffix_tokens"),
+        (w.duration is None or w.duration > 0, "workload.duration", "must be positive"),
+        (w.duration is None or w.arrival != "fixed" or w.interval > 0, "workload.duration",
+         "needs a positive interval with fixed arrivals"),
         (exp.runs >= 1, "runs", "must be at least 1"),
         (bool(exp.policies), "policies", "needs at least one policy"),
         (exp.max_active is None or exp.max_active >= 1, "max_active", "must be at least 1"),
@@ -161,8 +179,11 @@ def check(exp: Experiment, where: str = "experiment") -> None:
 
 
 def apply(exp: Experiment, knob: str, value, where: str = "experiment") -> Experiment:
-    """A copy of `exp` with one knob ("runs", "max_active", "workload.suffix_tokens", ...) set to value."""
+    """A copy of `exp` with one knob ("max_active", "workload.suffix_tokens", "backends.gpu.max_active",
+    ...) set to value."""
     new = copy.deepcopy(exp)
+    if knob.startswith("backends."):
+        return _apply_backend(new, knob, value, where)
     target, key = (new.workload, knob[9:]) if knob.startswith("workload.") else (new, knob)
     names = {f.name: f for f in fields(target)}
     if key not in names or key in ("workload", "sweep", "path", "name", "policies", "runs", "description"):
@@ -170,6 +191,21 @@ def apply(exp: Experiment, knob: str, value, where: str = "experiment") -> Exper
     setattr(target, key, _typed(names[key], value, where, f"sweep.values ({knob})"))
     check(new, where)
     return new
+
+
+def _apply_backend(exp: Experiment, knob: str, value, where: str) -> Experiment:
+    from mvllm.backends import convert, default_backends, set_option
+
+    parts = knob.split(".")
+    if len(parts) != 3:
+        raise ExperimentError(f"{where}: key 'sweep.knob': {knob!r} must look like backends.NAME.SETTING")
+    text = default_backends() if exp.backends == "default" else exp.backends
+    try:
+        convert(parts[2], str(value), parts[1])  # the setting and its value; devices are checked by bench
+        exp.backends = set_option(text, parts[1], parts[2], str(value))
+    except MvllmError as e:
+        raise ExperimentError(f"{where}: key 'sweep.knob' {knob!r} = {value!r}: {e}") from None
+    return exp
 
 
 def _build(cls, data, where: str, prefix: str, skip=()):

@@ -10,9 +10,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
-from mvllm.backends import default_backends, parse_backends
+from mvllm.backends import default_backends, parse_backends, set_option
 from mvllm.bench import env as envinfo
 from mvllm.bench.client import replay, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
@@ -30,28 +31,40 @@ def backend_text(exp: Experiment) -> str:
     return default_backends() if exp.backends == "default" else exp.backends
 
 
-def _matches(path: Path, model: str, backends: str) -> bool:
-    """An earlier auto profile in the results folder is reused only for the same model and backends."""
+def _largest(exp: Experiment) -> dict[str, int]:
+    """Each backend's largest max_active over the experiment's sweep points: what a profile must cover."""
+    need: dict[str, int] = {}
+    for _, point in exp.points():
+        for spec in parse_backends(backend_text(point), point.max_active):
+            need[spec.name] = max(need.get(spec.name, 0), spec.max_active)
+    return need
+
+
+def _matches(path: Path, model: str, need: dict[str, int]) -> bool:
+    """An earlier profile in the results folder is reused for the same model and backend names when it
+    measured every batch size up to each backend's max_active (the server cuts it to what it serves)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    names = {b.name for b in parse_backends(backends)}
-    return data.get("model") == model and set(data.get("backends", {})) == names
+    have = data.get("backends", {})
+    return (data.get("model") == model and set(have) == set(need)
+            and all(int(have[b].get("max_active") or 0) >= n for b, n in need.items()))
 
 
-def find_profile(exp: Experiment, out: Path, backends: str, console: Console) -> Path | None:
+def find_profile(exp: Experiment, out: Path, console: Console) -> Path | None:
     """The profile the server routes with: a file (relative to the cwd or to the experiment file),
     "auto" (measured once with `mvllm profile` into the results folder), or none."""
     if exp.profile is None:
         return None
     if exp.profile == "auto":
-        path = out / "profile.json"
-        if not _matches(path, exp.model, backends):
+        path, need = out / "profile.json", _largest(exp)
+        if not _matches(path, exp.model, need):
+            backends = backend_text(exp)
+            for name, n in need.items():
+                backends = set_option(backends, name, "max_active", str(n))
             cmd = [sys.executable, "-m", "mvllm.cli", "profile", "--model", exp.model, "--backends", backends,
                    "--out", str(path), *exp.profile_args]
-            if exp.max_active is not None and "--max-active" not in exp.profile_args:
-                cmd += ["--max-active", str(exp.max_active)]
             console.print(f"[dim]profiling the backends: {' '.join(cmd[2:])}[/dim]", highlight=False)
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0 or not path.is_file():
@@ -69,9 +82,9 @@ def find_profile(exp: Experiment, out: Path, backends: str, console: Console) ->
                           f"folder and to the experiment file)")
 
 
-def server_args(exp: Experiment, policy: str, backends: str, profile: Path | None, folder: Path) -> list[str]:
-    args = ["--model", exp.model, "--backends", backends, "--policy", policy,
-            "--routing-log", str(folder / "routing.jsonl")]
+def server_args(exp: Experiment, policy: str, profile: Path | None, routing_log: Path) -> list[str]:
+    args = ["--model", exp.model, "--backends", backend_text(exp), "--policy", policy,
+            "--routing-log", str(routing_log)]
     if profile is not None:
         args += ["--profile", str(profile)]
     if exp.max_active is not None:
@@ -79,19 +92,62 @@ def server_args(exp: Experiment, policy: str, backends: str, profile: Path | Non
     return args
 
 
-def one_run(exp: Experiment, policy: str, url: str | None, backends: str | None, profile: Path | None,
-            folder: Path, label: str, console: Console, quiet: bool) -> dict:
+class Servers:
+    """The servers runs are made against. "fresh": a new one for every run, logging into the run's folder.
+    "shared": one per model, backends and max_active, logging into out/server-N/; before each run its
+    prefix caches are emptied and its policy set, and the run's slice of its routing log is copied out."""
+
+    def __init__(self, mode: str, out: Path, profile: Path | None, console: Console):
+        self.mode, self.out, self.profile, self.console = mode, out, profile, console
+        self.server: ServerProcess | None = None
+        self.key: tuple | None = None
+        self.count = 0
+
+    def start(self, exp: Experiment, policy: str, folder: Path) -> tuple[ServerProcess, Path]:
+        """Ready server for one run, and its routing log."""
+        if self.mode == "fresh":
+            self.stop()
+            home = folder
+        else:
+            key = (exp.model, backend_text(exp), exp.max_active)
+            if key == self.key and self.server is not None:
+                self._reset(policy)
+                return self.server, self.log
+            self.stop()
+            self.count += 1
+            home = self.out / f"server-{self.count}"
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
+            self.key = key
+        self.log = home / "routing.jsonl"
+        self.server = ServerProcess(server_args(exp, policy, self.profile, self.log), home / "server.log").start()
+        self.server.wait_ready(exp.ready_timeout)
+        return self.server, self.log
+
+    def _reset(self, policy: str) -> None:
+        for path, body in (("/reset_prefix_cache", None), ("/v1/policy", {"policy": policy})):
+            r = httpx.post(self.server.url + path, json=body, timeout=120.0)
+            if r.status_code != 200:
+                raise ServerError(f"POST {path} failed: HTTP {r.status_code}: {r.text[:300]}")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.server, self.key = None, None
+
+
+def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | None, folder: Path, label: str,
+            console: Console, quiet: bool) -> dict:
     vocab = vocab_of(exp.model, exp.workload)
     prefix, requests = build(exp.workload, vocab)
     meta = {"warm_cached_tokens": None}
     server = None
-    if url is None:
-        server = ServerProcess(server_args(exp, policy, backends, profile, folder), folder / "server.log").start()
-        meta["server_command"] = server.command
     try:
-        if server is not None:
+        if url is None:
             with console.status(f"{label}: starting the server"):
-                server.wait_ready(exp.ready_timeout)
+                server, log = servers.start(exp, policy, folder)
+                offset = log.stat().st_size if log.is_file() else 0
+                meta.update(server_command=server.command, server=servers.mode)
                 if exp.workload.warm and prefix:
                     meta["warm_cached_tokens"] = server.warm(prefix)
             url = server.url
@@ -101,11 +157,17 @@ def one_run(exp: Experiment, policy: str, url: str | None, backends: str | None,
             records, duration, start = asyncio.run(replay(url, model, requests, exp.request_timeout,
                                                    None if quiet else display.done))
     finally:
-        if server is not None:
-            server.stop()
-    summary = {"experiment": exp.name, "policy": policy, "model": exp.model, "backends": backends,
-               "max_active": exp.max_active, "url": url if server is None else None,
-               "profile": str(profile) if profile else None, "workload": asdict(exp.workload), "start_time": start, **meta}
+        if servers is not None and servers.mode == "fresh":
+            servers.stop()
+    if server is not None and log != folder / "routing.jsonl" and log.is_file():
+        with open(log, "rb") as f:
+            f.seek(offset)
+            (folder / "routing.jsonl").write_bytes(f.read())
+    workload = asdict(exp.workload) | {"requests": len(requests)}
+    summary = {"experiment": exp.name, "policy": policy, "model": exp.model,
+               "backends": backend_text(exp) if server else None, "max_active": exp.max_active,
+               "url": url if server is None else None, "profile": str(servers.profile) if server and servers.profile
+               else None, "workload": workload, "start_time": start, **meta}
     summary.update(summarize(records, duration))
     write_requests(folder / "requests.csv", records)
     return summary
@@ -130,20 +192,19 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     runs = runs if runs is not None else exp.runs
     if runs < 1:
         raise ExperimentError(f"--runs must be at least 1, got {runs}")
-    backends = None
     if url is None:
-        backends = backend_text(exp)
-        parse_backends(backends, exp.max_active)
+        for _, point in exp.points():
+            parse_backends(backend_text(point), point.max_active)
     url = url.rstrip("/") if url else None
     out.mkdir(parents=True, exist_ok=True)
     if exp.path is not None and exp.path.resolve() != (out / "experiment.toml").resolve():
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
-    profile = find_profile(exp, out, backends, console) if url is None else None
-    specs = parse_backends(backends, exp.max_active) if backends else None
+    profile = find_profile(exp, out, console) if url is None else None
+    servers = Servers(exp.server, out, profile, console) if url is None else None
     total = len(exp.points()) * len(policies) * runs
-    planned = {run_id(p, i, exp.sweep.knob if exp.sweep else None, v)
-               for v, _ in exp.points() for p in policies for i in range(1, runs + 1)}
+    knob = exp.sweep.knob if exp.sweep else None
+    planned = {run_id(p, i, knob, v) for v, _ in exp.points() for p in policies for i in range(1, runs + 1)}
     kept = sorted(p.parent.name for p in out.glob("*/summary.json") if p.parent.name not in planned)
     if kept and not quiet:
         console.print(f"[dim]note: {len(kept)} earlier run(s) in {out} are kept and aggregated with these: "
@@ -151,16 +212,16 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     done = 0
     try:
         for value, point in exp.points():
-            for policy in policies:
-                for i in range(1, runs + 1):
-                    knob = exp.sweep.knob if exp.sweep else None
+            specs = parse_backends(backend_text(point), point.max_active) if url is None else None
+            for i in range(1, runs + 1):
+                for policy in policies:  # runs interleave the policies: drift hits each alike
                     rid = run_id(policy, i, knob, value)
                     folder = out / rid
                     shutil.rmtree(folder, ignore_errors=True)
                     folder.mkdir(parents=True)
                     write_json(folder / "env.json", envinfo.describe(specs))
                     label = f"[{done + 1}/{total}] {rid}"
-                    s = one_run(point, policy, url, backends, profile, folder, label, console, quiet)
+                    s = one_run(point, policy, url, servers, folder, label, console, quiet)
                     s.update({"run_id": rid, "run": i, "knob": knob, "value": value})
                     write_json(folder / "summary.json", s)
                     done += 1
@@ -171,6 +232,9 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
         raise MvllmError(f"interrupted; {done} finished run(s) are saved in {out}") from None
     except ServerError as e:
         raise ServerError(f"{e}\n{done} finished run(s) are saved in {out}") from None
+    finally:
+        if servers is not None:
+            servers.stop()
     rows = write_aggregate(out)
     if not quiet:
         Console(width=None if sys.stdout.isatty() else 160).print(table(rows, f"{exp.name}: {exp.model}, means over runs (change against gpu-only)"))

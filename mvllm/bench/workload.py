@@ -21,13 +21,14 @@ class Request:
 def arrivals(w: Workload) -> list[float]:
     """Send times in seconds from the start; the first request goes at 0 (as in vLLM's bench).
     fixed: every `interval`; poisson: exponential gaps at `rate`; gamma: gaps of shape `burstiness`
-    and mean 1/rate (burstiness 1 is Poisson, below 1 burstier, above 1 more regular)."""
+    and mean 1/rate (burstiness 1 is Poisson, below 1 burstier, above 1 more regular).
+    `requests` of them, or with `duration` set, every one that falls inside that many seconds."""
     rng = random.Random(f"arrivals-{w.seed}")
     times, t = [], 0.0
-    for i in range(w.requests):
+    while (len(times) < w.requests) if w.duration is None else (t < w.duration):
         times.append(t)
         if w.arrival == "fixed":
-            t = (i + 1) * w.interval
+            t = len(times) * w.interval
         else:
             shape = 1.0 if w.arrival == "poisson" else w.burstiness
             t += rng.gammavariate(shape, 1.0 / (w.request_rate * shape))
@@ -65,7 +66,7 @@ def build(w: Workload, vocab: int) -> tuple[list[int], list[Request]]:
     prefix = [rng.randrange(lo, hi) for _ in range(w.prefix_tokens)]
     times = arrivals(w)
     reqs = []
-    for i in range(w.requests):
+    for i in range(len(times)):
         suffix = [rng.randrange(lo, hi) for _ in range(w.suffix_tokens)]
         reqs.append(Request(i, prefix + suffix, w.output_tokens, times[i]))
     return prefix, reqs

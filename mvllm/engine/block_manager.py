@@ -127,5 +127,16 @@ class BlockManager:
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (as vLLM's /reset_prefix_cache); refused while any block is in use."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.hash_to_block.clear()
+        self.cached_free.clear()
+        self.clean = deque(range(self.num_blocks))
+        return True
+
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks

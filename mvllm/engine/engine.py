@@ -156,6 +156,10 @@ class Engine:
     def cached_prefix_len(self, token_ids: list[int]) -> int:
         return self.blocks.cached_prefix_len(token_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing changed) while requests are in flight."""
+        return not self.has_unfinished() and self.blocks.reset_prefix_cache()
+
     def warm(self, token_ids: list[int]) -> int:
         """Compute and cache the KV of a prefix (its full blocks); returns the tokens now cached."""
         seq = Sequence(token_ids, SamplingParams(max_tokens=1))

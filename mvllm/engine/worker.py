@@ -104,6 +104,8 @@ def _handle(engine: Engine, msg: tuple, send: Callable) -> None:
     elif kind == "abort":
         if engine.abort(msg[1]) is not None:
             send(("aborted", msg[1]))
+    elif kind == "call" and msg[2] == "reset_prefix_cache":
+        send(("reply", msg[1], engine.reset_prefix_cache()))
     elif kind == "call" and msg[2] == "warm":
         try:
             send(("reply", msg[1], engine.warm(msg[3])))

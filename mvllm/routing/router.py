@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from mvllm.errors import MvllmError
+from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.routing.cost import Booking, Candidate, candidate
 from mvllm.routing.eta import Timing, finish_time
 from mvllm.routing.policies import make_policy
@@ -22,23 +22,28 @@ class Router:
     def __init__(self, backends: list[str], policy: str, rates: dict[str, dict] | None = None,
                  log_path: str | Path | None = None):
         self.backends = list(backends)
-        self.policy = make_policy(policy, self.backends)
         self.rates = rates or {}
-        if self.policy.needs_scores:
-            missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
-            if missing:
-                raise MvllmError(f"policy {policy} needs prefill_rate and decode_rate for backend(s) "
-                                 f"{', '.join(missing)}: pass --profile (made by `mvllm profile`)")
         self.timings = {b: Timing.from_profile(r) for b, r in self.rates.items() if "prefill_rate" in r}
-        if self.policy.name == "eta":
-            missing = [b for b in self.backends if not self.timings.get(b)]
-            if missing:
-                raise MvllmError(f"policy eta needs per-batch decode step times for backend(s) "
-                                 f"{', '.join(missing)}: pass a --profile made by `mvllm profile`")
+        self.set_policy(policy)
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
         self.alive = {b: True for b in self.backends}
         self.decisions = {b: 0 for b in self.backends}
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
+
+    def set_policy(self, text: str) -> None:
+        """Route new requests by this policy (fresh state: split:K counts from zero again)."""
+        policy = make_policy(text, self.backends)
+        if policy.needs_scores:
+            missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
+            if missing:
+                raise InvalidRequestError(f"policy {text} needs prefill_rate and decode_rate for backend(s) "
+                                          f"{', '.join(missing)}: pass --profile (made by `mvllm profile`)", "policy")
+        if policy.name == "eta":
+            missing = [b for b in self.backends if not self.timings.get(b)]
+            if missing:
+                raise InvalidRequestError(f"policy eta needs per-batch decode step times for backend(s) "
+                                          f"{', '.join(missing)}: pass a --profile made by `mvllm profile`", "policy")
+        self.policy = policy
 
     def alive_backends(self) -> list[str]:
         return [b for b in self.backends if self.alive[b]]

@@ -18,7 +18,7 @@ from mvllm.engine.params import SamplingParams
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.llm import Tokenizer
 from mvllm.server.cluster import Cluster
-from mvllm.server.protocol import ChatRequest, CompletionRequest, WarmRequest, error
+from mvllm.server.protocol import ChatRequest, CompletionRequest, PolicyRequest, WarmRequest, error
 from mvllm.server.text import Detokenizer
 
 
@@ -140,6 +140,21 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
         if not ids or len(ids) >= max_len:
             raise InvalidRequestError(f"a warm prefix needs 1 to {max_len - 1} tokens", "prompt")
         return {"cached_tokens": await cluster.warm(ids, body.backend)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Empty every backend's prefix cache (vLLM's endpoint); only while no request is in flight."""
+        done = await cluster.reset_prefix_cache()
+        busy = [name for name, ok in done.items() if not ok]
+        if busy:
+            raise InvalidRequestError(f"backend(s) {', '.join(busy)} have requests in flight; reset when idle", None)
+        return {"reset": sorted(done)}
+
+    @app.post("/v1/policy")
+    async def policy(body: PolicyRequest):
+        """Route new requests by another policy (bench does this between runs on one server)."""
+        cluster.router.set_policy(body.policy)
+        return {"policy": cluster.router.policy.name}
 
     return app
 

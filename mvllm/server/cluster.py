@@ -131,6 +131,11 @@ class Cluster:
         done = await asyncio.gather(*(b.call("warm", token_ids) for b in targets))
         return {b.name: n for b, n in zip(targets, done)}
 
+    async def reset_prefix_cache(self) -> dict[str, bool]:
+        alive = [b for b in self.backends.values() if b.alive]
+        done = await asyncio.gather(*(b.call("reset_prefix_cache", timeout=60) for b in alive))
+        return {b.name: ok for b, ok in zip(alive, done)}
+
     async def snapshot_all(self) -> list[dict]:
         out = []
         for b in self.backends.values():

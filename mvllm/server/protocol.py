@@ -69,6 +69,10 @@ class WarmRequest(BaseModel):
     backend: str | None = None
 
 
+class PolicyRequest(BaseModel):
+    policy: str
+
+
 def error(status: int, message: str, param: str | None = None, code: str | None = None,
           kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code or status}},

@@ -20,12 +20,22 @@ from mvllm.server.cluster import Cluster
 console = Console(stderr=True, soft_wrap=True)
 
 
-def read_rates(profile: str | None) -> dict[str, dict] | None:
+def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict] | None:
+    """Each backend's profiled rates, as it will serve: a profile measured up to a larger batch than the
+    backend's max_active is cut there, and its rates chosen again by the profile's rule."""
     if not profile:
         return None
-    from mvllm.profile import load_profile
+    from mvllm.profile import choose_rates, load_profile
 
-    return load_profile(profile)["backends"]
+    rates = load_profile(profile)["backends"]
+    for spec in specs:
+        entry = rates.get(spec.name)
+        decode = (entry or {}).get("decode") or []
+        fit = [d for d in decode if d["batch"] <= spec.max_active]
+        if fit and len(fit) < len(decode):
+            entry = dict(entry, decode=fit, max_active=spec.max_active)
+            rates[spec.name] = entry | choose_rates(entry)
+    return rates
 
 
 def read_prefix(path: str | None) -> str | list[int] | None:
@@ -58,7 +68,7 @@ def serve(model: str, backends: str, policy: str, profile: str | None, max_activ
     import uvicorn
 
     specs = parse_backends(backends, max_active)
-    router = Router([s.name for s in specs], policy, read_rates(profile), routing_log)
+    router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log)
     prefix = read_prefix(warm_prefix)
     source = resolve(model)
     tokenizer = Tokenizer(load_tokenizer(source), model)
