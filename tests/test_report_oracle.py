@@ -82,8 +82,8 @@ def test_no_split_beats_gpu_only(tmp_path):
     assert e["adaptive"][0]["gain"] == pytest.approx(-0.1)
     assert e["adaptive"][0]["fraction_of_oracle_gain"] is None
     md = (out / "report" / "summary.md").read_text()
-    assert ("no static split beats gpu-only here (best K = 0); the oracle's gain is 0, so a router can only tie "
-            "or lose: mixed changed makespan by +10.0% (cpu requests per run: 3, 2)") in md
+    assert ("no static split beats gpu-only here (best K = 0); the oracle's gain is 0, so offloading whole requests has "
+            "nothing to win here: mixed changed makespan by +10.0% (cpu requests per run: 3, 2)") in md
     assert "captures" not in md
 
 

@@ -41,6 +41,8 @@ def oracle(res: Results) -> list[dict]:
         ks = sorted((k, p) for p in res.policies if (k := split_k(p)) is not None and res.select(p, v))
         if len(ks) < 2:
             continue
+        if ks[0][0] != 0 and res.select(BASELINE, v):  # K = 0 is gpu-only: every split is measured against it
+            ks.insert(0, (0, BASELINE))
         splits = [{"k": k, "policy": p, **_stats(res.select(p, v))} for k, p in ks]
         base_name = BASELINE if res.select(BASELINE, v) else ("split:0" if ks[0][0] == 0 else None)
         base = _stats(res.select(base_name, v))["mean"] if base_name else None

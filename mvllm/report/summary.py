@@ -65,7 +65,7 @@ def _oracle(res: Results, entries: list[dict]) -> list[str]:
             said = ", ".join(f"{a['policy']} changed makespan by {-100 * a['gain']:+.1f}% (cpu requests per run: "
                              f"{cpu[a['policy']]})" for a in e["adaptive"])
             lines.append(f"- no static split beats {base} here (best K = {e['oracle_k']}); the oracle's gain is 0, "
-                         "so a router can only tie or lose" + (f": {said}" if said else ""))
+                         "so offloading whole requests has nothing to win here" + (f": {said}" if said else ""))
             continue
         lines.append(f"- oracle: K = {e['oracle_k']}, {e['oracle_mean']:.2f} s against {base} "
                      f"{e['baseline_mean']:.2f} s: gain {_pct(e['oracle_gain'])}")
