@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The runs behind results/ on the H200 machine, in stages that each fit one 10-minute device call:
+#   bash experiments/h200.sh a   # GPU tests, the serving profile, paper-8, paper-48 (with the oracle), hit-rate sweep
+#   bash experiments/h200.sh b   # GPU concurrency sweep
+#   bash experiments/h200.sh c   # sustained Poisson arrivals
+# Every stage writes results/<experiment>/ plus a log in results/h200-logs/, and stops each step before
+# the stage's time (STAGE_S, default 570 s) runs out, so what finished is always kept.
+set -u
+stage=${1:?stage a, b or c}
+budget=${STAGE_S:-570}
+logs=results/h200-logs
+mkdir -p "$logs"
+profile=results/profile/h200-serving.json
+run() {  # run MAX_S NAME CMD...: at most MAX_S seconds and never past the stage's budget
+    local max=$1 name=$2; shift 2
+    local left=$((budget - SECONDS - 10))
+    ((left < max)) && max=$left
+    if ((max < 20)); then echo "skipped $name: no time left" | tee -a "$logs/$stage.txt"; return; fi
+    echo "== $name (limit ${max}s, at ${SECONDS}s)" | tee -a "$logs/$stage.txt"
+    timeout -s INT -k 20 "$max" "$@" >"$logs/$name.txt" 2>&1
+    echo "== $name: exit $? after ${SECONDS}s" | tee -a "$logs/$stage.txt"
+}
+bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one profile
+    rm -rf "results/$2" && mkdir -p "results/$2" && cp "$profile" "results/$2/profile.json"
+    run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "results/$2"
+}
+if [[ ! -f $profile ]]; then  # GPU up to 16 active (the concurrency sweep's largest), CPU as served
+    run 150 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
+        --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/quant=int8/threads=8/max_active=4 --out "$profile"
+fi
+case $stage in
+a)
+    run 120 gpu-tests python3 -m pytest -q tests/test_gpu.py
+    bench 100 paper-8
+    bench 220 paper-48
+    bench 200 sweep-hit-rate ;;
+b)
+    bench 400 sweep-concurrency ;;
+c)
+    bench 540 sweep-rate ;;
+esac
+nvidia-smi --query-gpu=name,memory.used --format=csv >>"$logs/$stage.txt" 2>&1
