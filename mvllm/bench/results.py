@@ -119,7 +119,13 @@ def aggregate(summaries: list[dict]) -> list[dict]:
             b = base["metrics"].get(k, {}).get("mean")
             if b and not math.isclose(b, 0.0):
                 r["change_vs_gpu_only"][k] = 100.0 * (m["mean"] - b) / b
-    return sorted(rows, key=lambda r: (str(r["value"]), r["policy"] != BASELINE, r["policy"]))
+    return sorted(rows, key=lambda r: (value_order(r["value"]), r["policy"] != BASELINE, r["policy"]))
+
+
+def value_order(value) -> tuple:
+    """Sweep values in numeric order where they are numbers (2 before 16), else as text."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (0, float(value), "") if number else (1, 0.0, str(value))
 
 
 def write_aggregate(folder: Path) -> list[dict]:

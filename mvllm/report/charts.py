@@ -145,6 +145,10 @@ def sweep(res: Results, path) -> None:
         ax.set_ylabel(label)
         if not numeric:
             ax.set_xticks(xs, [str(v) for v in vals])
+        elif min(vals) > 0 and max(vals) / min(vals) >= 8:  # e.g. 1, 2, 4, 8, 16: evenly spaced on log 2
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(vals, [f"{v:g}" for v in vals])
+            ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
     spare = axes.flat[-1]  # the sixth panel holds the legend

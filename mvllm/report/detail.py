@@ -29,10 +29,13 @@ def timeline(res: Results, path, value=None) -> None:
     pols = [p for p in res.policies if res.typical(p, value)]
     runs = [res.typical(p, value) for p in pols]
     backends = res.backends
-    heights = [_panel_height(len(r.requests)) for r in runs]
-    fig, axes = figure(len(runs), 1, width=12, height=sum(heights) + 1.2, sharex=True,
-                       gridspec_kw={"height_ratios": heights})
-    for ax, p, run in zip(axes[:, 0], pols, runs, strict=True):
+    cols = 1 if len(runs) <= 3 else 3  # many policies (an oracle's splits): a grid, not a tower
+    rows = -(-len(runs) // cols)
+    height = _panel_height(max(len(r.requests) for r in runs))
+    fig, axes = figure(rows, cols, width=12 if cols == 1 else 18, height=rows * height + 1.2, sharex=True)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, p, run in zip(axes.flat, pols, runs):
         df = run.requests
         for row in df.itertuples():
             color = backend_color(row.backend, backends) if row.backend else "grey"
@@ -48,18 +51,20 @@ def timeline(res: Results, path, value=None) -> None:
             ax.plot([row.arrival, row.arrival], [row.id - 0.42, row.id + 0.42], color="black", lw=1)
         ax.invert_yaxis()
         ax.set_ylabel("request")
+        ax.tick_params(labelbottom=True)
         s = run.summary
         counts = ", ".join(f"{k} {v}" for k, v in s.get("backend_requests", {}).items())
         ax.set_title(f"{p} ({s.get('run_id', '')}): batch completion {s['makespan']:.2f} s; {counts}",
                      loc="left", fontsize=10)
         ax.grid(axis="x", alpha=0.3)
-    axes[-1][0].set_xlabel("time since the first request was sent (s)")
+    for ax in axes[-1]:
+        ax.set_xlabel("time since the first request was sent (s)")
     handles = [Patch(color=backend_color(b, backends), label=f"decode on {b}") for b in backends]
     handles += [Patch(facecolor="grey", alpha=0.25, edgecolor="grey", label="waiting to first token\n(queued + prefill)"),
                 Line2D([], [], color="black", marker="|", ls="none", ms=10, label="arrival (scheduled send)")]
     if any((r.requests["error"] != "").any() for r in runs):
         handles.append(Line2D([], [], color="crimson", marker="x", ls="none", ms=8, mew=2, label="failed"))
-    axes[0][0].legend(handles=handles, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
+    axes[0][-1].legend(handles=handles, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     _finish(fig, res, "Timeline of every request, one run per policy (median batch completion)", value, path)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mvllm.bench.results import ResultsError, read_json, runs_in
+from mvllm.bench.results import ResultsError, read_json, runs_in, value_order
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ class Results:
 
     @property
     def values(self) -> list:
-        return list(dict.fromkeys(r.value for r in self.runs))
+        return sorted(dict.fromkeys(r.value for r in self.runs), key=value_order)
 
     @property
     def backends(self) -> list[str]:
