@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The runs behind results/ on the H200 machine, in stages that each fit one 10-minute device call:
-#   bash experiments/h200.sh a   # GPU tests, the serving profile, paper-8, paper-48 (with the oracle), hit-rate sweep
+#   bash experiments/h200.sh a   # the serving profile, GPU tests, paper-8, paper-48 (with the oracle)
 #   bash experiments/h200.sh b   # GPU concurrency sweep
 #   bash experiments/h200.sh c   # sustained Poisson arrivals
+#   bash experiments/h200.sh d   # cache-hit sweep (2 runs: with 3 it did not fit stage a; see results/h200-logs)
 # Every stage writes results/<experiment>/ plus a log in results/h200-logs/, and stops each step before
 # the stage's time (STAGE_S, default 570 s) runs out, so what finished is always kept.
 set -u
@@ -32,11 +33,12 @@ case $stage in
 a)
     run 120 gpu-tests python3 -m pytest -q tests/test_gpu.py
     bench 100 paper-8
-    bench 220 paper-48
-    bench 200 sweep-hit-rate ;;
+    bench 220 paper-48 ;;
 b)
     bench 400 sweep-concurrency ;;
 c)
     bench 540 sweep-rate ;;
+d)
+    bench 340 sweep-hit-rate ;;
 esac
 nvidia-smi --query-gpu=name,memory.used --format=csv >>"$logs/$stage.txt" 2>&1
