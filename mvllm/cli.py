@@ -106,9 +106,10 @@ def serve(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
                                             "gpu=cuda,cpu=cpu/quant=int8 (default: a GPU if present, and the CPU)."),
-    policy: str = typer.Option("mixed", help="mixed (the brief's cost score), eta (predicted finish time), "
-                                             "gpu-only, cpu-only, round-robin or split:K."),
-    profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates `mixed` needs)."),
+    policy: str = typer.Option(None, help="mixed (the brief's cost score), eta (predicted finish time), "
+                                           "gpu-only, cpu-only, round-robin or split:K (default: eta with "
+                                           "--profile, else gpu-only)."),
+    profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
     max_active: int = typer.Option(None, help="Most running requests per backend (default 4)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
@@ -140,7 +141,7 @@ def bench(
     quiet: bool = typer.Option(False, "--quiet", help="No live display or tables."),
     json_out: bool = typer.Option(False, "--json", help="Print the aggregate as JSON on stdout."),
 ):
-    """Replay a workload against fresh servers, policy against policy, and save what a user would feel:
+    """Replay a workload against mvllm servers it starts, policy against policy, and save what a user would feel:
     TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
     import json
     from pathlib import Path

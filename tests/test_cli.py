@@ -25,3 +25,11 @@ def test_serve_rejects_bad_input_before_loading_anything():
         result = runner.invoke(app, ["serve", "--model", "synthetic:tiny-qwen2", *args])
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output
+
+
+def test_serve_policy_defaults_to_eta_with_a_profile_else_gpu_only():
+    from mvllm.server.serve import choose_policy
+
+    assert choose_policy(None, None) == "gpu-only"
+    assert choose_policy(None, "profile.json") == "eta"
+    assert choose_policy("mixed", None) == "mixed"

@@ -63,11 +63,18 @@ def default_threads(specs: list[BackendSpec]) -> None:
             s.threads = 1
 
 
-def serve(model: str, backends: str, policy: str, profile: str | None, max_active: int | None, host: str,
+def choose_policy(policy: str | None, profile: str | None) -> str:
+    """Without --policy: eta where a profile gives it the backends' speeds, else everything to the gpu
+    backend. On the H200, eta never lost to gpu-only and the brief's mixed did (README, Results)."""
+    return policy or ("eta" if profile else "gpu-only")
+
+
+def serve(model: str, backends: str, policy: str | None, profile: str | None, max_active: int | None, host: str,
           port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float) -> None:
     import uvicorn
 
     specs = parse_backends(backends, max_active)
+    policy = choose_policy(policy, profile)
     router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log)
     prefix = read_prefix(warm_prefix)
     source = resolve(model)
