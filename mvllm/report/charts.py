@@ -51,8 +51,8 @@ def makespan(res: Results, path) -> None:
                    label=p if i == 0 else None, zorder=2)
             ax.scatter([x + d for d in _jitter(len(xs), width * 0.18, i * 31 + j)], xs, s=22, color="black",
                        zorder=3, label="one run" if i == 0 and j == 0 else None)
-            ax.annotate(f"{mean:.2f} s", (x, mean), xytext=(0, -5), textcoords="offset points", ha="center",
-                        va="top", fontsize=9, fontweight="bold", color="white", rotation=0 if across else 90)
+            ax.annotate(f"{mean:.2f} s", (x, 0), xytext=(0, 5), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=9, fontweight="bold", color="white", rotation=0 if across else 90)
     if res.knob:
         ax.set_xticks(range(len(vals)), [str(v) for v in vals])
         ax.set_xlabel(res.knob)

@@ -43,7 +43,12 @@ class Results:
 
     @property
     def policies(self) -> list[str]:
-        return list(dict.fromkeys(r.policy for r in self.runs))
+        """gpu-only first (the baseline), then the other policies by name, then split:K by K."""
+        def order(p: str) -> tuple:
+            k = p.partition(":")[2]
+            return (p != "gpu-only", p.startswith("split:"), int(k) if k.isdigit() else 0, p)
+
+        return sorted(dict.fromkeys(r.policy for r in self.runs), key=order)
 
     @property
     def values(self) -> list:
