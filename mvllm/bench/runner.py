@@ -97,9 +97,10 @@ class Servers:
     "shared": one per model, backends and max_active, logging into out/server-N/; before each run its
     prefix caches are emptied and its policy set, and the run's slice of its routing log is copied out."""
 
-    def __init__(self, mode: str, out: Path, profile: Path | None, console: Console):
-        self.mode, self.out, self.profile, self.console = mode, out, profile, console
+    def __init__(self, mode: str, out: Path, profile: Path | None):
+        self.mode, self.out, self.profile = mode, out, profile
         self.server: ServerProcess | None = None
+        self.log: Path | None = None
         self.key: tuple | None = None
         self.count = 0
 
@@ -144,7 +145,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
     server = None
     try:
         if url is None:
-            with console.status(f"{label}: starting the server"):
+            with console.status(f"{label}: preparing the server"):
                 server, log = servers.start(exp, policy, folder)
                 offset = log.stat().st_size if log.is_file() else 0
                 meta.update(server_command=server.command, server=servers.mode)
@@ -201,7 +202,7 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
     profile = find_profile(exp, out, console) if url is None else None
-    servers = Servers(exp.server, out, profile, console) if url is None else None
+    servers = Servers(exp.server, out, profile) if url is None else None
     total = len(exp.points()) * len(policies) * runs
     knob = exp.sweep.knob if exp.sweep else None
     planned = {run_id(p, i, knob, v) for v, _ in exp.points() for p in policies for i in range(1, runs + 1)}
