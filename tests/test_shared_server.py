@@ -17,6 +17,7 @@ from mvllm.bench.workload import arrivals, build
 from mvllm.engine.block_manager import BlockManager
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
+from mvllm.routing.eta import Timing
 from mvllm.server.serve import read_rates
 
 MODEL = "synthetic:tiny-llama"
@@ -129,3 +130,8 @@ def test_rates_are_cut_to_the_batch_the_backend_serves(tmp_path):
     rates = read_rates(str(path), parse_backends("gpu=cpu/max_active=2,cpu=cpu/max_active=4"))
     assert rates["gpu"]["decode_rate"] == pytest.approx(2 / 4.0 * 1000) and len(rates["gpu"]["decode"]) == 2
     assert rates["cpu"]["decode_rate"] == pytest.approx(4 / 6.0 * 1000) and len(rates["cpu"]["decode"]) == 3
+    assert Timing.from_profile(rates["gpu"]).step_s == [0.003, 0.004]
+    # a profile that stops short of max_active: eta still lets max_active run, at the largest measured step
+    rates = read_rates(str(path), parse_backends("gpu=cpu/max_active=6,cpu=cpu/max_active=4"))
+    assert Timing.from_profile(rates["gpu"]).step_s == [0.003, 0.004, 0.004, 0.006, 0.006, 0.006]
+    assert rates["gpu"]["decode_rate"] == pytest.approx(decode[-1]["tok_s"])

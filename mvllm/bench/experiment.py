@@ -141,7 +141,7 @@ def from_dict(data: dict, where: str = "experiment") -> Experiment:
 
 def check(exp: Experiment, where: str = "experiment") -> None:
     w = exp.workload
-    if w.prompt_tokens is not None:
+    if w.prompt_tokens is not None:  # derived once here, so every reader of prefix_tokens agrees
         w.prefix_tokens = w.prompt_tokens - w.suffix_tokens
     rules = [
         (exp.server in SERVERS, "server", f"must be one of {', '.join(SERVERS)}"),

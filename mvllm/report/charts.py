@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 
+from mvllm.bench.results import BASELINE
 from mvllm.report.load import Results
 from mvllm.report.style import figure, policy_color, save, title
 
@@ -177,8 +178,8 @@ def oracle(res: Results, entries: list[dict], path) -> None:
         for j, s in enumerate(e["splits"]):
             ax.scatter([s["k"] + d for d in _jitter(s["n"], 0.08, j)], s["makespans"], s=14, color="grey",
                        alpha=0.7, zorder=2, label="one run" if j == 0 else None)
-        if e["baseline"] == "gpu-only":
-            ax.axhline(e["baseline_mean"], color=policy_color("gpu-only", pols), ls="--", lw=1.5,
+        if e["baseline"] == BASELINE:
+            ax.axhline(e["baseline_mean"], color=policy_color(BASELINE, pols), ls="--", lw=1.5,
                        label="gpu-only mean")
         for a in e["adaptive"]:
             ax.axhline(a["mean"], color=policy_color(a["policy"], pols), lw=2, label=f"{a['policy']} mean")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from mvllm.bench.results import ResultsError, read_json, runs_in, value_order
+from mvllm.bench.results import BASELINE, ResultsError, read_json, runs_in, value_order
+from mvllm.routing.policies import split_k
 
 
 @dataclass(slots=True)
@@ -45,8 +46,8 @@ class Results:
     def policies(self) -> list[str]:
         """gpu-only first (the baseline), then the other policies by name, then split:K by K."""
         def order(p: str) -> tuple:
-            k = p.partition(":")[2]
-            return (p != "gpu-only", p.startswith("split:"), int(k) if k.isdigit() else 0, p)
+            k = split_k(p)
+            return (p != BASELINE, k is not None, k or 0, p)
 
         return sorted(dict.fromkeys(r.policy for r in self.runs), key=order)
 

@@ -8,12 +8,7 @@ import statistics
 
 from mvllm.bench.results import BASELINE
 from mvllm.report.load import Results, Run
-
-
-def split_k(policy: str) -> int | None:
-    """K of a "split:K" policy name; None for any other policy."""
-    head, _, k = policy.partition(":")
-    return int(k) if head == "split" and k.isdigit() else None
+from mvllm.routing.policies import split_k
 
 
 def adaptive(policy: str) -> bool:

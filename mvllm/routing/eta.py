@@ -23,7 +23,9 @@ class Timing:
         table = {d["batch"]: d["step_ms"] / 1000 for d in entry.get("decode", []) if "step_ms" in d}
         if not table:
             return None
-        steps = [table.get(b) for b in range(1, max(table) + 1)]
+        # up to the batch the backend serves (`max_active`, set by serve) even where the profile stopped short
+        top = max(max(table), int(entry.get("max_active") or 0))
+        steps = [table.get(b) for b in range(1, top + 1)]
         for i, s in enumerate(steps):  # fill unmeasured batch sizes from the nearest smaller one
             steps[i] = s if s is not None else steps[i - 1]
         return cls(float(entry["prefill_rate"]), steps)

@@ -67,6 +67,12 @@ class Split(Policy):
         return target if target in alive else alive[0]
 
 
+def split_k(name: str) -> int | None:
+    """K of a well-formed "split:K" policy name; None for any other name."""
+    head, _, k = name.partition(":")
+    return int(k) if head == "split" and k.isdigit() else None
+
+
 def make_policy(text: str, backends: list[str]) -> Policy:
     """Build a policy from its name; checks that the backends it names exist."""
 

@@ -21,8 +21,9 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict] | None:
-    """Each backend's profiled rates, as it will serve: a profile measured up to a larger batch than the
-    backend's max_active is cut there, and its rates chosen again by the profile's rule."""
+    """Each backend's profiled rates, as it will serve: the decode table is cut at the backend's
+    max_active and its rates chosen again by the profile's rule; a table that stops short of max_active
+    is kept, and eta's timing repeats its largest batch's step time up to max_active."""
     if not profile:
         return None
     from mvllm.profile import choose_rates, load_profile
@@ -32,9 +33,10 @@ def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict]
         entry = rates.get(spec.name)
         decode = (entry or {}).get("decode") or []
         fit = [d for d in decode if d["batch"] <= spec.max_active]
-        if fit and len(fit) < len(decode):
-            entry = dict(entry, decode=fit, max_active=spec.max_active)
-            rates[spec.name] = entry | choose_rates(entry)
+        if not fit:
+            continue
+        entry = dict(entry, decode=fit, max_active=spec.max_active)
+        rates[spec.name] = entry | choose_rates(entry) if len(fit) < len(decode) and entry.get("prefill") else entry
     return rates
 
 
