@@ -1,9 +1,11 @@
 """The backend-spec syntax shared by profile, serve and bench.
 
     NAME=DEVICE[/KEY=VALUE]...[,NAME=DEVICE...]
-    e.g.  gpu=cuda,cpu=cpu/quant=int8/threads=8      gpu=cpu,cpu=cpu (tests: two CPU backends)
+    e.g.  gpu=cuda,cpu=cpu/threads=8      gpu=cpu,cpu=cpu (tests: two CPU backends)
 
-Keys: dtype, quant (none|int8|int8w), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off).
+Keys: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode fastest here,
+see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
+fused (on|off: the CPU's fused float32 kernels).
 A backend's name is its role for the router (the "gpu" of gpu-only); its device is a setting.
 """
 
@@ -14,7 +16,6 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from mvllm.engine.engine import DEFAULT_DTYPES, EngineConfig
-from mvllm.engine.quant import QUANTS
 from mvllm.errors import InvalidRequestError
 
 
@@ -23,17 +24,19 @@ class BackendSpec:
     name: str
     device: str
     dtype: str | None = None
-    quant: str = "none"
+    quant: str | None = None
     threads: int | None = None
     max_active: int = 4
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
     graphs: bool = True
+    fused: bool = True
 
     def engine_config(self, model: str, block_size: int = 16) -> EngineConfig:
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
-                            threads=self.threads, quant=self.quant, graphs=self.graphs)
+                            threads=self.threads, quant=self.quant, graphs=self.graphs,
+                            fused=self.fused)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,7 +48,7 @@ def convert(key: str, value: str, name: str):
         known = ", ".join(k for k in types if k not in ("name", "device"))
         raise InvalidRequestError(f"backend {name}: unknown setting {key!r}; known: {known}", "backends")
     try:
-        if key == "graphs":
+        if key in ("graphs", "fused"):
             if value not in ("on", "off"):
                 raise ValueError
             return value == "on"
@@ -97,8 +100,6 @@ def set_option(text: str, name: str, key: str, value: str) -> str:
 
 
 def validate(spec: BackendSpec) -> None:
-    if spec.quant not in QUANTS:
-        raise InvalidRequestError(f"backend {spec.name}: quant must be one of {', '.join(QUANTS)}", "backends")
     if spec.dtype is not None and not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
         raise InvalidRequestError(f"backend {spec.name}: unknown dtype {spec.dtype!r}", "backends")
     try:

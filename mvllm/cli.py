@@ -82,7 +82,7 @@ def generate(
 def profile(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
-                                            "gpu=cuda,cpu=cpu/quant=int8/threads=8 (default: a GPU if present, "
+                                            "gpu=cuda,cpu=cpu/threads=8 (default: a GPU if present, "
                                             "and the CPU)."),
     out: str = typer.Option(None, help="Write the profile JSON here, e.g. results/profile/<name>.json."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout."),
@@ -92,12 +92,14 @@ def profile(
     repeats: int = typer.Option(5, help="Repetitions per measurement (the median is kept)."),
     steps: int = typer.Option(16, help="Timed decode steps per batch size."),
     max_active: int = typer.Option(None, help="Override every backend's max_active (decode batches 1..N)."),
+    accuracy: bool = typer.Option(True, help="Also measure each backend's mean KL and top-1 agreement against "
+                                             "the float32 model on a fixed English text (real weights only)."),
 ):
-    """Measure each backend alone: cold and warm prefill, decode step time at every batch size, and the
-    prefill_rate/decode_rate the router uses, into one JSON profile."""
+    """Measure each backend alone: cold and warm prefill, decode step time at every batch size, the
+    prefill_rate/decode_rate the router uses, and accuracy against float32, into one JSON profile."""
     from mvllm.profile import cli_profile
 
-    cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console)
+    cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console, accuracy)
 
 
 @app.command()
@@ -105,7 +107,7 @@ def profile(
 def serve(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
-                                            "gpu=cuda,cpu=cpu/quant=int8 (default: a GPU if present, and the CPU)."),
+                                            "gpu=cuda,cpu=cpu/threads=8 (default: a GPU if present, and the CPU)."),
     policy: str = typer.Option(None, help="mixed (the brief's cost score), eta (predicted finish time), "
                                            "gpu-only, cpu-only, round-robin or split:K (default: eta with "
                                            "--profile, else gpu-only)."),

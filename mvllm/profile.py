@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
+from mvllm.accuracy import SYNTHETIC_NOTE, Reference
 from mvllm.backends import BackendSpec
 from mvllm.bench.env import cpu_name, git_commit
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
+from mvllm.model.loader import resolve
 
 LENGTHS = (128, 256, 516, 1024)
 REFERENCE_LEN = 516
@@ -64,15 +66,15 @@ def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int) -> i
 
 
 def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], repeats: int, steps: int,
-                    progress: Progress, block_size: int = 16) -> dict:
+                    progress: Progress, block_size: int = 16, reference: Reference | None = None) -> dict:
     config = spec.engine_config(model, block_size)
     config.num_blocks = kv_blocks(spec, lengths, block_size)
     progress(f"{spec.name}: loading {model} on {spec.device}")
     engine = Engine(config)
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
-           "quant": spec.quant, "threads": torch.get_num_threads(), "max_active": spec.max_active,
-           "graphs": bool(engine.runner.graphs), "prefill": [], "decode": []}
+           "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(), "max_active": spec.max_active,
+           "graphs": bool(engine.runner.graphs), "fused": engine.runner.fused, "prefill": [], "decode": []}
 
     def first_token(prompt: list[int]) -> tuple[float, int]:
         seq = engine.add_request(prompt, _greedy(1))
@@ -115,6 +117,11 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
         out["decode"].append({"batch": b, "context": ctx, "step_ms": ms, "tok_s": b / ms * 1000,
                               "cached": min(s.num_cached_tokens for s in seqs)})
     out.update(choose_rates(out))
+    if reference is not None:
+        progress(f"{spec.name}: accuracy against float32 on {len(reference.ids)} tokens")
+        out["accuracy"] = reference.measure(engine.model, engine.device, engine.dtype, engine.runner.fused)
+    elif engine.source.synthetic:
+        out["accuracy"] = {"note": SYNTHETIC_NOTE}
     return out
 
 
@@ -149,14 +156,20 @@ def environment(model: str) -> dict:
 
 
 def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] = LENGTHS, repeats: int = 5,
-                steps: int = 16, baseline: str | None = None, progress: Progress | None = None) -> dict:
+                steps: int = 16, baseline: str | None = None, progress: Progress | None = None,
+                accuracy: bool = True) -> dict:
+    """accuracy: measure each backend against the float32 model on the evaluation text (real weights only)."""
     progress = progress or (lambda _: None)
+    reference = None
+    if accuracy and not resolve(model).synthetic:
+        progress("accuracy: the float32 reference over the evaluation text")
+        reference = Reference(resolve(model))
     default_threads = torch.get_num_threads()
     profile = {"model": model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "environment": environment(model), "backends": {}}
     for spec in specs:
         torch.set_num_threads(spec.threads or default_threads)
-        entry = measure_backend(model, spec, lengths, repeats, steps, progress)
+        entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -215,6 +228,9 @@ def table(profile: dict):
     for col in ("backend", "setting", "cold prefill tok/s (length)", "warm ms", "decode ms/step (batch 1..n)",
                 "prefill_rate", "decode_rate"):
         t.add_column(col, justify="left" if col in ("backend", "setting") else "right")
+    accuracy = Table(title="accuracy against float32 (mean KL, nats/token)")
+    for col in ("backend", "KL prefill", "KL decode", "top-1", "verdict"):
+        accuracy.add_column(col)
     ratios = Table(title="mvllm / transformers (above 1: mvllm faster)")
     ratios.add_column("backend")
     ratios.add_column("ratios")
@@ -225,14 +241,25 @@ def table(profile: dict):
         dec = " ".join(f"{d['step_ms']:.1f}" for d in b.get("decode", []))
         setting = f"{b.get('device', '?')} {b.get('dtype', '')} {b.get('quant', '')} x{b.get('threads', '')}"
         t.add_row(name, setting, cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}")
+        if b.get("accuracy"):
+            accuracy.add_row(name, *accuracy_cells(b["accuracy"]))
         got = b.get("baseline", {}).get("ratios", {})
         if got:
             ratios.add_row(name, "  ".join(f"{k} {v:.2f}" for k, v in got.items()))
-    return Group(t, ratios) if ratios.row_count else t
+    return Group(*(x for x in (t, accuracy, ratios) if x is t or x.row_count))
+
+
+def accuracy_cells(acc: dict) -> tuple[str, str, str, str]:
+    if "kl_mean" not in acc:
+        return "-", "-", "-", "n/a: synthetic weights" if acc.get("note") == SYNTHETIC_NOTE else "n/a"
+    verdict = "accurate" if acc["within_bound"] else f"LOSSY (KL > {acc['bound']})"
+    return (f"{acc['prefill']['kl_mean']:.4f}", f"{acc['decode']['kl_mean']:.4f}", f"{100 * acc['top1']:.1f}%",
+            verdict)
 
 
 def cli_profile(model: str, backends: str | None, out: str | None, json_out: bool, baseline: str | None,
-                lengths: str, repeats: int, steps: int, max_active: int | None, console) -> dict:
+                lengths: str, repeats: int, steps: int, max_active: int | None, console,
+                accuracy: bool = True) -> dict:
     from rich.progress import Progress as Bar
     from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -252,7 +279,7 @@ def cli_profile(model: str, backends: str | None, out: str | None, json_out: boo
              transient=True) as bar:
         task = bar.add_task("profiling", total=None)
         result = run_profile(model, specs, sizes, repeats, steps, baseline,
-                             lambda text: bar.update(task, description=text))
+                             lambda text: bar.update(task, description=text), accuracy)
     console.print(table(result))
     if out:
         console.print(f"wrote {save_profile(result, out)}", highlight=False)

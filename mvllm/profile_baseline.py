@@ -1,6 +1,7 @@
 """The peer that speed targets are judged against: plain transformers `generate` on the same model (same
-weights), device and dtype; int8 CPU backends get torch's dynamic int8 Linear on the transformers model.
-No mvllm code runs in the timed path. On CUDA, float32 is timed as well, since transformers' bf16 decode
+weights), device and dtype; int8-lossy CPU backends get torch's dynamic int8 Linear on the transformers
+model, int8w ones (float32 activations) plain float32.
+No mvllm code runs in the timed path. Backends in another dtype get float32 timed as well, since transformers' bf16 decode
 loop can be slower than its float32 one."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def hf_model(spec: str, device: str, dtype: torch.dtype, quant: str):
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
-    if quant != "none":  # torch's own int8 path (dynamic int8 Linear) for every quantized backend
+    if quant == "int8-lossy":  # torch's own dynamic int8 Linear, the same kernels; int8w's peer is float32
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
@@ -114,7 +115,7 @@ def measure(spec: str, backend: dict, repeats: int = 3, steps: int = 16) -> dict
     device, quant = backend["device"], backend["quant"]
     batches = sorted({1, backend["max_active"]})
     dtypes = [backend["dtype"]]
-    if torch.device(device).type == "cuda" and backend["dtype"] != "float32":
+    if backend["dtype"] != "float32":  # transformers' fastest may be float32 (CUDA launches; CPU kernels)
         dtypes.append("float32")
     result = {"library": "transformers", "version": transformers.__version__, "method": "generate",
               "quant": quant, "runs": {}}

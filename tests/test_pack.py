@@ -1,4 +1,5 @@
-"""oneDNN-packed Linear layers (the CPU float32 path): same results as F.linear, swapped in by the runner."""
+"""oneDNN-packed Linear layers (the CPU float32 and bfloat16 paths): same results as F.linear, swapped in by the
+runner."""
 
 from __future__ import annotations
 
@@ -30,4 +31,13 @@ def test_pack_swaps_float32_linears_only():
     pack(model)
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
     assert type(model[2]) is nn.Linear
-    assert not packable(CPU, torch.bfloat16) and not packable(torch.device("meta"), torch.float32)
+    assert not packable(CPU, torch.float16) and not packable(torch.device("meta"), torch.float32)
+
+
+@pytest.mark.skipif(not packable(CPU, torch.bfloat16), reason="no native bf16 in oneDNN on this CPU")
+def test_packed_bfloat16_close_to_float32():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160)
+    x = torch.randn(4, 96)
+    out = PackedLinear(linear.bfloat16())(x.bfloat16()).float()
+    torch.testing.assert_close(out, F.linear(x, linear.weight.float(), linear.bias.float()), rtol=0.05, atol=0.05)

@@ -19,7 +19,7 @@ TINY = "synthetic:tiny-qwen2"
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "tiny.json"
-    res = runner.invoke(app, ["profile", "--model", TINY, "--backends", "gpu=cpu,cpu=cpu/quant=int8/threads=1",
+    res = runner.invoke(app, ["profile", "--model", TINY, "--backends", "gpu=cpu/dtype=float32,cpu=cpu/quant=int8-lossy/threads=1",
                               "--lengths", "16,40", "--repeats", "1", "--steps", "2", "--max-active", "2",
                               "--baseline", "transformers", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -35,7 +35,9 @@ def test_profile_writes_the_contract(profiled):
         assert key in env
     assert set(data["backends"]) == {"gpu", "cpu"}
     cpu, gpu = data["backends"]["cpu"], data["backends"]["gpu"]
-    assert (cpu["quant"], cpu["threads"], gpu["quant"]) == ("int8", 1, "none")
+    assert (cpu["quant"], cpu["threads"], gpu["quant"]) == ("int8-lossy", 1, "none")
+    assert cpu["picked"] == gpu["picked"] == "as asked"
+    assert cpu["accuracy"]["note"].startswith("synthetic weights")
     for b in (cpu, gpu):
         assert b["device"] == "cpu" and b["dtype"] == "float32" and b["max_active"] == 2
         assert [p["tokens"] for p in b["prefill"] if p["kind"] == "cold"] == [16, 40]
@@ -82,6 +84,8 @@ BAD = [
     ("cpu=cpu/threads=0", "threads must be at least 1"),
     ("cpu=cpu/max_active=0", "max_active must be at least 1"),
     ("cpu=cpu/quant=int4", "quant must be one of"),
+    ("cpu=cpu/quant=int8", "now called quant=int8-lossy"),
+    ("cpu=cpu/fused=maybe", "bad value"),
     ("cpu=cpu/speed=fast", "unknown setting"),
 ]
 if not torch.cuda.is_available():
@@ -109,6 +113,6 @@ def test_baseline_model_carries_mvllm_weights():
     with torch.no_grad():
         ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
                           pad_token_id=0, eos_token_id=None)[0, 12:].tolist()
-    out = LLM("synthetic:tiny-llama", num_blocks=16).generate(
+    out = LLM("synthetic:tiny-llama", dtype="float32", num_blocks=16).generate(
         [prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == ref

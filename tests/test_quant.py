@@ -1,4 +1,5 @@
-"""Quantized CPU backends: int8 (dynamic int8 Linear) and int8w (weight-only int8)."""
+"""CPU modes: int8w (int8 weights in groups, float32 activations), int8-lossy (dynamic int8), and the
+per-machine pick with its fallbacks."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import torch
 from conftest import prompts
 
 from mvllm import LLM, SamplingParams
+from mvllm.backends import parse_backends
+from mvllm.engine import cpu_kernels, quant
 from mvllm.engine.engine import EngineConfig
-from mvllm.engine.quant import Int8Linear, quantize
+from mvllm.engine.quant import Int8Linear, cpu_mode, quantize
 from mvllm.errors import InvalidRequestError
 from mvllm.model.attention import build_meta
 from mvllm.model.loader import build_model, resolve
 
-# Stated tolerances, per position, quantized logits vs float32 logits: int8w (weights only) >= 0.99
-# everywhere; int8 (activations quantized per call too) >= 0.99 on the synthetic models (small,
-# outlier-free weights) and >= 0.9 on the tiny HF model, whose large random biases make activation outliers.
-COSINE = {("int8w", "synthetic"): 0.99, ("int8w", "hf"): 0.99, ("int8", "synthetic"): 0.99, ("int8", "hf"): 0.9}
+# Per position, quantized logits vs float32 logits: int8w >= 0.995 everywhere (its prefill GEMM runs in bf16
+# where the CPU has native bf16); int8-lossy (activations
+# quantized per call too) >= 0.99 on the synthetic models (small, outlier-free weights) and >= 0.9 on the
+# tiny HF model, whose large random biases make activation outliers.
+COSINE = {("int8w", "synthetic"): 0.995, ("int8w", "hf"): 0.995, ("int8-lossy", "synthetic"): 0.99,
+          ("int8-lossy", "hf"): 0.9}
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the int8 kernel did not build here")
 
 
 def all_logits(model, ids: list[int]) -> torch.Tensor:
@@ -29,59 +35,80 @@ def all_logits(model, ids: list[int]) -> torch.Tensor:
         return model.logits(hidden)
 
 
-def quantized_layers(model, quant: str) -> list:
-    kind = Int8Linear if quant == "int8w" else torch.ao.nn.quantized.dynamic.Linear
+def quantized_layers(model, mode: str) -> list:
+    kind = Int8Linear if mode == "int8w" else torch.ao.nn.quantized.dynamic.Linear
     return [m for m in (model.lm_head, model.layers[0].mlp.down_proj, model.layers[-1].self_attn.qkv_proj)
             if isinstance(m, kind)]
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8w"])
+@pytest.mark.parametrize("mode", [pytest.param("int8w", marks=needs_kernel), "int8-lossy"])
 @pytest.mark.parametrize("spec", ["synthetic:tiny-qwen2", "synthetic:tiny-llama", "hf"])
-def test_quantized_logits_close_to_float32(spec, quant, tiny):
+def test_quantized_logits_close_to_float32(spec, mode, tiny):
     source = resolve(str(tiny("qwen2")[0]) if spec == "hf" else spec)
     cpu = torch.device("cpu")
     full = build_model(source, cpu, torch.float32)
-    q = quantize(build_model(source, cpu, torch.float32), quant, cpu)
-    assert len(quantized_layers(q, quant)) == 3
+    q = quantize(build_model(source, cpu, torch.float32), mode, cpu)
+    assert len(quantized_layers(q, mode)) == 3
     assert q.embed_tokens.weight.dtype == torch.float32
-    for n in (40, 3):  # 40 rows: de-quantized GEMM path; 3 rows: the packed int8 kernel
+    for n in (40, 3):  # 40 rows: the prefill GEMM; 3 rows: the decode kernel
         ids = prompts(4, [n], vocab=source.config.vocab_size - 1)[0]
         a, b = all_logits(full, ids), all_logits(q, ids)
         assert not torch.equal(a, b)
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
         assert cos.shape == (n,)
-        assert cos.min().item() >= COSINE[quant, "hf" if spec == "hf" else "synthetic"], cos
+        assert cos.min().item() >= COSINE[mode, "hf" if spec == "hf" else "synthetic"], cos
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8w"])
-def test_quantized_engine_generates(quant):
+@pytest.mark.parametrize("mode", [pytest.param("int8w", marks=needs_kernel), "int8-lossy"])
+def test_quantized_engine_generates(mode):
     ids = prompts(5, [30, 9], vocab=500)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     before = torch.get_num_threads()
     try:
-        q = LLM("synthetic:tiny-qwen2", quant=quant, threads=1, num_blocks=32).generate(ids, params)
+        q = LLM("synthetic:tiny-qwen2", quant=mode, threads=1, num_blocks=32).generate(ids, params)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     assert [len(o.token_ids) for o in q] == [8, 8]
 
 
-def test_int8w_keeps_smollm2_logits(smollm2):
-    """Real weights (SmolLM2-135M, with its activation outliers): weight-only int8 stays close."""
-    source = smollm2.engine.source
-    ids = smollm2.tokenizer.encode("The capital of France is Paris. The quick brown fox jumps over the lazy dog. " * 3)
-    cpu = torch.device("cpu")
-    a = all_logits(build_model(source, cpu, torch.float32), ids)
-    b = all_logits(quantize(build_model(source, cpu, torch.float32), "int8w", cpu), ids)
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    assert cos.mean().item() >= 0.99 and cos.min().item() >= 0.98, cos
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.95
-
-
 @pytest.mark.parametrize("kw, words", [
     (dict(quant="int4"), "quant must be one of"),
-    (dict(quant="int8", dtype="bfloat16"), "float32"),
+    (dict(quant="int8"), "now called quant=int8-lossy"),
+    (dict(quant="int8-lossy", dtype="bfloat16"), "float32"),
+    (dict(quant="int8w", dtype="bfloat16"), "float32"),
 ])
 def test_bad_quant_settings(kw, words):
     with pytest.raises(InvalidRequestError, match=words):
         EngineConfig(model="synthetic:tiny-qwen2", **kw).validate()
+
+
+def test_the_pick_says_what_it_chose():
+    dtype, mode, why = cpu_mode(None, None)
+    assert why.startswith("picked")
+    assert f"quant={mode}" in quant.cpu_modes() or f"dtype={dtype}" in quant.cpu_modes()
+    assert cpu_mode("float32", None) == ("float32", "none", "as asked")
+    config = parse_backends("cpu=cpu")[0].engine_config("-")
+    config.validate()
+    assert (config.dtype, config.quant, config.picked) == (dtype, mode, why)
+
+
+@pytest.mark.parametrize("kernel, bf16, expect", [
+    (False, True, ("bfloat16", "none")),
+    (False, False, ("float32", "none")),
+    (True, False, ("float32", "int8w")),
+])
+def test_pick_falls_back_per_machine(monkeypatch, kernel, bf16, expect):
+    """An ARM Mac (no AVX-512 kernel, no oneDNN bf16) gets float32; a CPU with native bf16 but no kernel, bf16."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: kernel)
+    monkeypatch.setattr(quant, "avx512", lambda: kernel)
+    real = quant.packable
+    monkeypatch.setattr(quant, "packable", lambda d, t: bf16 if t == torch.bfloat16 else real(d, t))
+    assert cpu_mode(None, None)[:2] == expect
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "why_unavailable", "RuntimeError: no compiler")
+        with pytest.raises(InvalidRequestError, match="does not run on this machine.*no compiler.*dtype=float32"):
+            cpu_mode(None, "int8w")
+        out = LLM("synthetic:tiny-qwen2", threads=1, num_blocks=32).generate(
+            [[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 3

@@ -2,7 +2,7 @@
 
     name = "paper-8"
     model = "synthetic:qwen2.5-0.5b"
-    backends = "default"            # or a backend spec, e.g. "gpu=cuda,cpu=cpu/quant=int8"
+    backends = "default"            # or a backend spec, e.g. "gpu=cuda,cpu=cpu/threads=8"
     max_active = 4
     profile = "auto"                # a profile JSON, "auto" (run `mvllm profile` once), or absent
     profile_args = ["--repeats", "3"]   # extra `mvllm profile` options for "auto"

@@ -12,7 +12,7 @@ import torch
 from mvllm.engine.block_manager import BlockManager
 from mvllm.engine.model_runner import ModelRunner
 from mvllm.engine.params import SamplingParams
-from mvllm.engine.quant import QUANTS, quantize
+from mvllm.engine.quant import cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import Sequence
 from mvllm.errors import InvalidRequestError, PromptTooLongError
@@ -34,8 +34,10 @@ class EngineConfig:
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
     threads: int | None = None
-    quant: str = "none"
+    quant: str | None = None  # None: on the CPU, the mode cpu_mode picks for this machine; elsewhere none
     graphs: bool = True
+    fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
+    picked: str = ""  # how the CPU mode was chosen
 
     def validate(self) -> None:
         if self.max_active < 1:
@@ -66,10 +68,12 @@ class EngineConfig:
                                       f"{torch.cuda.device_count()} CUDA GPU(s)", "device")
         if device_type == "mps" and not torch.backends.mps.is_available():
             raise InvalidRequestError("device mps was asked for but this machine has no MPS GPU", "device")
-        if self.quant not in QUANTS:
-            raise InvalidRequestError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}", "quant")
-        if self.quant != "none" and (device_type != "cpu" or self.dtype not in (None, "float32")):
-            raise InvalidRequestError(f"quant={self.quant} runs on the cpu device with float32 activations only", "quant")
+        if device_type == "cpu":
+            self.dtype, self.quant, self.picked = cpu_mode(self.dtype, self.quant)
+        elif self.quant in (None, "none"):
+            self.quant = "none"
+        else:
+            raise InvalidRequestError(f"quant={self.quant} runs on the cpu device only", "quant")
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -108,7 +112,7 @@ class Engine:
                                  num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
-                                  config.graphs, config.max_active, self.max_model_len)
+                                  config.graphs, config.max_active, self.max_model_len, config.fused)
         self.requests: dict[str, Sequence] = {}
         self.on_schedule: Callable[[Batch], None] | None = None
 

@@ -1,13 +1,15 @@
 """Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples.
 
 On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs; larger
-steps, and every step on CPU and MPS, run eagerly. On x86 CPUs in float32 the Linear layers run through
-oneDNN with pre-packed weights (`quant.pack`)."""
+steps, and every step on CPU and MPS, run eagerly. On x86 CPUs the float32 and bfloat16 Linear layers run
+through oneDNN with pre-packed weights (`quant.pack`); in float32 (and int8w) the rest of each layer runs
+through mvllm's fused CPU kernels where they build (`model/fused.py`; `fused=False` turns them off)."""
 
 from __future__ import annotations
 
 import torch
 
+from mvllm.engine import cpu_fused
 from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample
 from mvllm.engine.scheduler import Batch
@@ -17,11 +19,13 @@ from mvllm.model.decoder import Decoder
 
 class ModelRunner:
     def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, graphs: bool = False, max_active: int = 4, max_model_len: int = 4096):
+                 block_size: int, graphs: bool = False, max_active: int = 4, max_model_len: int = 4096,
+                 fused: bool = True):
         cfg = model.cfg
         if packable(device, dtype):
             pack(model)
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
+        self.fused = fused and device.type == "cpu" and dtype == torch.float32 and cpu_fused.available()
         scratch = num_blocks * block_size  # one extra slot: where padded graph rows write their K/V
         shape = (2, scratch + 1, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
@@ -54,6 +58,6 @@ class ModelRunner:
     def forward(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
         positions = [p for a, b in spans for p in range(a, b)]
-        meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device)
+        meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device, self.fused)
         as_long = dict(dtype=torch.long, device=self.device)
         return self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), self.caches, meta)

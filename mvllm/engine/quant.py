@@ -1,19 +1,18 @@
-"""Weight quantization for the CPU backend (float32 activations in and out of every layer).
+"""CPU modes: how a CPU backend holds its weights and which kernels run them.
 
-- `int8`: PyTorch's dynamic int8 Linear (fbgemm/onednn): weights int8 with one scale per output row;
-  inside each Linear the activations are quantized to int8 per call, with one scale per tensor.
-  The fastest CPU path measured (results/profile/README.md), but activation outliers hurt it: on
-  SmolLM2-135M (real weights) its logits kept a mean cosine of only 0.72 to float32's.
-- `int8w`: weight-only int8 (one scale per output row), float32 activations: accurate (SmolLM2: mean
-  cosine 0.998) but slow, since `torch._weight_int8pack_mm` is slower than the float32 GEMV on x86
-  (1.19 vs 0.13 ms for a 896x9728 projection at batch 1 on the H200 machine's 16-core Xeon). Batches of
-  more than PACKED_MAX_ROWS tokens de-quantize the weight and run the float32 GEMM instead.
-tests/test_quant.py states the tolerances. The tied lm_head gets its own quantized copy; the embedding
-stays float32.
+- `int8w` (accurate): int8 weights in groups of 32 input columns, one float32 scale each, float32 activations.
+  Decode-sized batches (up to PACKED_MAX_ROWS tokens) run mvllm's int8 kernel (engine/cpu_kernels.py),
+  which reads each weight byte once per step: a quarter of float32's bytes. Prefill-sized batches run
+  oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16).
+- `none` with dtype bfloat16 or float32: every Linear keeps its weight in oneDNN's blocked layout where that
+  works (x86), else plain F.linear.
+- `int8-lossy`: PyTorch's dynamic int8 Linear. Activations are quantized per call with one scale per
+  tensor, and on SmolLM2-135M (real weights) it changes most answers: mean KL 1.0 nats/token against
+  float32 (mvllm/accuracy.py). Only behind this explicit name; `serve` warns when a backend runs it.
 
-Unquantized float32 models on x86 CPUs get `pack`: every Linear keeps its weight in oneDNN's blocked layout
-and runs through oneDNN's linear, which measured 2-3x faster than `F.linear` for decode's 1-4 rows
-(results/profile/README.md).
+`cpu_mode` picks the mode of a CPU backend whose settings leave it open, per machine: int8w where the int8
+kernel builds with AVX-512, else bfloat16 where oneDNN has native bf16 (x86 with AVX-512 BF16 or AMX),
+else float32. The tied lm_head gets its own quantized copy; the embedding stays float32.
 """
 
 from __future__ import annotations
@@ -25,31 +24,37 @@ import warnings
 import torch
 from torch import nn
 
+from mvllm.engine import cpu_kernels
 from mvllm.errors import InvalidRequestError
 from mvllm.model.decoder import Decoder
 
-QUANTS = ("none", "int8", "int8w")
-PACKED_MAX_ROWS = 8  # above this many tokens, de-quantize and use the float32 GEMM
+QUANTS = ("none", "int8w", "int8-lossy")
+LOSSY = ("int8-lossy",)
+RENAMED = {"int8": "int8-lossy"}
+PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
+CPU = torch.device("cpu")
 
 
 class Int8Linear(nn.Module):
+    """int8w: int8 weights in groups of cpu_kernels.GROUP, float32 activations in and out."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127
-        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
-        self.bias = linear.bias
+        q, scales = cpu_kernels.quantize_weight(linear.weight.detach().float())
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
+        self.gemm = dense(cpu_kernels.dequantize(q, scales).to(wide), self.bias)
+        self.wide = wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= PACKED_MAX_ROWS:
-            y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scale)
+            y = cpu_kernels.int8_linear(rows, self.q, self.scales, self.bias)
         else:
-            y = rows @ (self.weight.float() * self.scale[:, None]).t()
-        if self.bias is not None:
-            y = y + self.bias
+            y = self.gemm(rows.to(self.wide)).float()
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -57,7 +62,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if linear.bias is None else linear.bias.detach().to(linear.weight.dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,32 +71,90 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A Linear over `weight` in its dtype: oneDNN-packed where that works here, else plain."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return PackedLinear(linear) if packable(CPU, weight.dtype) else linear
+
+
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and platform.machine().lower() in ("x86_64", "amd64") and _packing_works())
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return (torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")
+            and _packing_works(dtype))
 
 
 @functools.cache
-def _packing_works() -> bool:
+def _packing_works(dtype: torch.dtype) -> bool:
     """The oneDNN ops are internal to PyTorch: check once that this build has them and they agree with
     F.linear, else stay on F.linear."""
     try:
-        linear = nn.Linear(32, 24)
-        x = torch.randn(3, 32)
+        linear = nn.Linear(32, 24, dtype=dtype)
+        x = torch.randn(3, 32, dtype=dtype)
         with torch.no_grad():
-            return torch.allclose(PackedLinear(linear)(x), linear(x), atol=1e-5)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            return torch.allclose(PackedLinear(linear)(x).float(), linear(x).float(), atol=tol, rtol=tol)
     except (RuntimeError, AttributeError, TypeError):
         return False
 
 
 def pack(module: nn.Module) -> nn.Module:
-    """Swap every float32 nn.Linear for a PackedLinear, in place (call only where `packable`)."""
+    """Swap every float32 or bfloat16 nn.Linear for a PackedLinear, in place (call only where `packable`)."""
     for name, child in module.named_children():
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+        if type(child) is nn.Linear and child.weight.dtype in (torch.float32, torch.bfloat16):
             setattr(module, name, PackedLinear(child))
         else:
             pack(child)
     return module
+
+
+def cpu_modes() -> dict[str, str]:
+    """The CPU modes this machine runs, each with what it is."""
+    modes = {"dtype=float32": "float32 weights and activations"}
+    if packable(CPU, torch.bfloat16):
+        modes["dtype=bfloat16"] = "bfloat16 weights and activations, oneDNN with native bf16"
+    if cpu_kernels.available():
+        modes["quant=int8w"] = f"int8 weights in groups of {cpu_kernels.GROUP}, float32 activations"
+    if torch.backends.quantized.supported_engines != ["none"]:
+        modes["quant=int8-lossy"] = "dynamic int8 activations per tensor: changes answers"
+    return modes
+
+
+def cpu_mode(dtype: str | None, quant: str | None) -> tuple[str, str, str]:
+    """(dtype, quant, why) of a CPU backend; settings left open (None) are picked for this machine."""
+    if quant in RENAMED:
+        raise InvalidRequestError(f"quant={quant} is now called quant={RENAMED[quant]}: it changes the model's "
+                                  "answers (mean KL 1.0 nats/token on SmolLM2); the accurate fast mode is "
+                                  "quant=int8w", "quant")
+    if quant is not None and quant not in QUANTS:
+        raise InvalidRequestError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}", "quant")
+    if quant in ("int8w", "int8-lossy"):
+        if dtype not in (None, "float32"):
+            raise InvalidRequestError(f"quant={quant} runs with float32 activations only", "quant")
+        if f"quant={quant}" not in cpu_modes():
+            why = cpu_kernels.why_unavailable.splitlines()[0] if quant == "int8w" else "no quantized engine"
+            raise InvalidRequestError(f"quant={quant} does not run on this machine ({why}); it runs: "
+                                      f"{', '.join(cpu_modes())}", "quant")
+        return "float32", quant, "as asked"
+    if dtype is not None or quant == "none":
+        return dtype or "float32", "none", "as asked"
+    if cpu_kernels.available() and avx512():
+        return "float32", "int8w", "picked: the int8 kernel built with AVX-512 here"
+    if packable(CPU, torch.bfloat16):
+        return "bfloat16", "none", "picked: oneDNN has native bf16 here (no AVX-512 int8 kernel)"
+    return "float32", "none", "picked: neither the AVX-512 int8 kernel nor native bf16 here"
+
+
+def avx512() -> bool:
+    """Whether this CPU runs AVX-512, as PyTorch's own kernel dispatch sees it (the int8 kernel is built
+    with -march=native, so it uses AVX-512 exactly where this holds)."""
+    return "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
 def _untie(model: Decoder) -> None:
@@ -103,7 +166,7 @@ def _untie(model: Decoder) -> None:
 
 def _swap(module: nn.Module) -> None:
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and child.in_features % cpu_kernels.GROUP == 0:
             setattr(module, name, Int8Linear(child))
         else:
             _swap(child)

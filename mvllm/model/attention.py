@@ -6,7 +6,8 @@ query reads. Three layouts share one entry point:
 - "causal": every sequence starts cold; each attends to its own new K/V with is_causal SDPA (no gather);
 - "rows": one query row per token (decode, and the CUDA-graph path for any small batch): row t reads
   gather_index[t] under mask[t];
-- "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq].
+- "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq];
+- "fused": the CPU float32 kernels (model/fused.py): each token reads its keys from the paged cache.
 On CPU, "rows" and "paged" read whole blocks (`block_index`, one contiguous copy per block) instead of
 gathering slot by slot, which costs 2-3x more there.
 """
@@ -31,11 +32,14 @@ class AttnMeta:
     block_index: torch.Tensor | None = None  # on CPU: [B, width] blocks read, replacing gather_index
     block_size: int = 0  # with block_index
     keys_len: int = 0  # with block_index: Lk
+    token_seq: torch.Tensor | None = None  # fused: [T] row of block_index each token belongs to
+    key_len: torch.Tensor | None = None  # fused: [T] keys each token attends to (its position + 1)
 
 
 def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
-               device: torch.device) -> AttnMeta:
-    """seqs_positions: per sequence (start, end) of the tokens computed now; keys cover [0, end)."""
+               device: torch.device, fused: bool = False) -> AttnMeta:
+    """seqs_positions: per sequence (start, end) of the tokens computed now; keys cover [0, end).
+    fused: the CPU kernels' layout (model/fused.py), every token reading the paged cache itself."""
     starts = torch.tensor([s for s, _ in seqs_positions])
     ends = torch.tensor([e for _, e in seqs_positions])
     counts = ends - starts
@@ -46,6 +50,11 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
     valid = new < counts.unsqueeze(1)
     slot_mapping = slots.gather(1, (starts.unsqueeze(1) + new).clamp(max=slots.shape[1] - 1))[valid]
     as_long = dict(dtype=torch.long, device=device)
+    if fused:
+        token_seq = torch.arange(len(counts)).repeat_interleave(counts)
+        key_len = (starts.unsqueeze(1) + new + 1)[valid]
+        return AttnMeta(slot_mapping, layout="fused", block_index=tables, block_size=block_size,
+                        token_seq=token_seq, key_len=key_len)
     if not bool(starts.any()):
         return AttnMeta(slot_mapping.to(**as_long), layout="causal", lengths=counts.tolist())
     lk = int(ends.max())
@@ -103,5 +112,5 @@ def _gather_blocks(cache: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, t
     _, slots, hkv, d = cache.shape
     bs, (b, width), index = meta.block_size, meta.block_index.shape, meta.block_index.flatten()
     n = slots - slots % bs  # drops the scratch slot
-    return tuple(c[:n].view(-1, bs, hkv, d).index_select(0, index).view(b, width * bs, hkv, d)[:, :meta.keys_len]
+    return tuple(c[:n].view(-1, bs * hkv * d).index_select(0, index).view(b, width * bs, hkv, d)[:, :meta.keys_len]
                  .transpose(1, 2) for c in cache.unbind(0))

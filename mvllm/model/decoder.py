@@ -128,6 +128,10 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
                 meta: AttnMeta) -> torch.Tensor:
+        if meta.layout == "fused":
+            from mvllm.model import fused
+
+            return fused.forward(self, input_ids, positions, caches, meta)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):

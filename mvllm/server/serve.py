@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mvllm.backends import BackendSpec, parse_backends
+from mvllm.engine.quant import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.llm import Tokenizer
 from mvllm.model.loader import load_tokenizer, resolve
@@ -76,6 +77,10 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
     import uvicorn
 
     specs = parse_backends(backends, max_active)
+    for s in specs:
+        if s.quant in LOSSY:
+            console.print(f"[yellow]warning:[/yellow] backend {s.name} runs quant={s.quant}, which changes the "
+                          "model's answers (mean KL 1.0 nats/token against float32 on SmolLM2)", highlight=False)
     policy = choose_policy(policy, profile)
     router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log)
     prefix = read_prefix(warm_prefix)

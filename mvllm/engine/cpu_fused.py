@@ -1,0 +1,159 @@
+"""Fused float32 CPU kernels for a decoder layer's non-matmul work (csrc/fused.cpp): with them a layer is
+about 9 calls (norm, qkv matmul, rope_store, paged_attention, o matmul, norm, gate_up matmul, silu_mul,
+down matmul) instead of ~40 small torch ops plus a copy of the paged KV context before attention.
+
+JIT-built like cpu_kernels (torch.utils.cpp_extension, ninja and a C++ compiler; cached under
+$MVLLM_CACHE/ext/<torch version>-<hash of source and flags>/). `available()` never raises: when the build
+fails it returns False and `why_unavailable` says why; the wrappers then run the `reference_*` versions
+(plain torch ops, the specification of each kernel's semantics, used by the tests).
+
+Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
+- add_rms_norm(x [T, hidden], residual [T, hidden] or None, weight [hidden], eps) -> (normed, residual_out)
+- rope_store(qkv [T, (heads + 2 * kv_heads) * D], cos [T, D], sin [T, D], cache [2, slots, kv_heads, D],
+  slots int64 [T], heads, kv_heads) -> q [T, heads, D]
+- paged_attention(q [T, heads, D], cache, block_table int32/int64 [B, max_blocks], seq_of_token int64 [T],
+  key_len int64 [T], block_size, scale) -> [T, heads * D]
+- silu_mul(gate_up [T, 2 * I]) -> [T, I]
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+
+import torch
+import torch.nn.functional as F
+
+from mvllm.model.loader import cache_dir
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fused.cpp")
+# Tried in order: compilers without OpenMP (Apple clang) or -march=native still get a working build.
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+why_unavailable = ""
+_ops = None
+
+
+def _build_dir(flags: list[str]) -> str:
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_dir() / "ext" / f"{torch.__version__}-{key}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _ninja_on_path() -> None:
+    """A pip-installed ninja sits next to the venv's python, which is not on PATH unless activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _load():
+    """Build (or reuse the cached build) and load the extension; returns torch.ops.mvllm_fused."""
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja not found (pip install ninja)")
+    errors = []
+    for flags in FLAG_SETS:
+        ldflags = [f for f in flags if f == "-fopenmp"]
+        try:
+            cpp_extension.load(name="mvllm_fused", sources=[SOURCE], extra_cflags=flags, extra_ldflags=ldflags,
+                               build_directory=_build_dir(flags), is_python_module=False, verbose=False)
+            return torch.ops.mvllm_fused
+        except Exception as e:
+            errors.append(f"{' '.join(flags)}: {e}")
+    raise RuntimeError("could not build the fused kernels\n" + "\n".join(errors))
+
+
+def _try_load():
+    """(ops, "") or (None, reason)."""
+    try:
+        return _load(), ""
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+@functools.cache
+def available() -> bool:
+    global _ops, why_unavailable
+    _ops, why_unavailable = _try_load()
+    return _ops is not None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(r) * weight, r) with r = residual + x, added into `residual` in place; r = x without one."""
+    if not available():
+        return reference_add_rms_norm(x, residual, weight, eps)
+    return _ops.add_rms_norm(x, residual, weight, eps), (x if residual is None else residual)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+               heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotated q [T, heads, D]; rotated k and v written into cache[0] and cache[1] at `slots`."""
+    if not available():
+        return reference_rope_store(qkv, cos, sin, cache, slots, heads, kv_heads)
+    return _ops.rope_store(qkv, cos, sin, cache, slots, heads, kv_heads)
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_of_token: torch.Tensor,
+                    key_len: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """[T, heads * D]: token t attends to key positions [0, key_len[t]) of block_table[seq_of_token[t]]."""
+    if not available():
+        return reference_paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
+    return _ops.paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = gate | up [T, 2 * I]."""
+    if not available():
+        return reference_silu_mul(gate_up)
+    return _ops.silu_mul(gate_up)
+
+
+# ---- reference versions: plain torch, the semantics the kernels implement ----
+
+def reference_add_rms_norm(x, residual, weight, eps):
+    r = x if residual is None else residual.add_(x)
+    return weight * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)), r
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def reference_rope_store(qkv, cos, sin, cache, slots, heads, kv_heads):
+    t = qkv.shape[0]
+    q, k, v = qkv.view(t, heads + 2 * kv_heads, -1).split([heads, kv_heads, kv_heads], dim=1)
+    cos, sin = cos.reshape(t, 1, -1), sin.reshape(t, 1, -1)
+    cache[0].index_copy_(0, slots, _rotate(k, cos, sin))
+    cache[1].index_copy_(0, slots, v)
+    return _rotate(q, cos, sin).contiguous()
+
+
+def reference_paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale):
+    """Gathers each token's keys and values and runs softmax attention in float64."""
+    t, heads, d = q.shape
+    group = heads // cache.shape[2]
+    out = torch.empty(t, heads, d, dtype=torch.float64)
+    for i in range(t):
+        pos = torch.arange(int(key_len[i]))
+        slots = block_table[int(seq_of_token[i])].long()[pos // block_size] * block_size + pos % block_size
+        k, v = (c[slots].double().repeat_interleave(group, dim=1).transpose(0, 1) for c in cache)  # [H, L, D]
+        p = torch.softmax((k @ q[i].double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [H, L]
+        out[i] = (p.unsqueeze(1) @ v).squeeze(1)
+    return out.view(t, heads * d).float()
+
+
+def reference_silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,32 @@
+"""The decoder's forward on the CPU in float32 through mvllm's fused kernels (engine/cpu_fused.py).
+
+One layer is nine calls: residual add + RMSNorm, QKV projection, RoPE + KV-cache write, attention read
+straight from the paged cache through the block table (no copy of the context), O projection, residual add +
+RMSNorm, gate/up projection, SiLU * up, down projection. Same arithmetic as Decoder.forward, fewer ops:
+on a CPU most of a decode step was per-op overhead and context copies, not matrix work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mvllm.engine import cpu_fused
+from mvllm.model.attention import AttnMeta
+
+
+def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+            meta: AttnMeta) -> torch.Tensor:
+    cfg = model.cfg
+    x = model.embed_tokens(input_ids)
+    cos, sin = model.rotary.cos[positions], model.rotary.sin[positions]
+    residual = None
+    for layer, cache in zip(model.layers, caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        h, residual = cpu_fused.add_rms_norm(x, residual, layer.input_layernorm.weight, cfg.rms_norm_eps)
+        q = cpu_fused.rope_store(attn.qkv_proj(h), cos, sin, cache, meta.slot_mapping, attn.heads, attn.kv_heads)
+        out = cpu_fused.paged_attention(q, cache, meta.block_index, meta.token_seq, meta.key_len, meta.block_size,
+                                        attn.scale)
+        h, residual = cpu_fused.add_rms_norm(attn.o_proj(out), residual, layer.post_attention_layernorm.weight,
+                                             cfg.rms_norm_eps)
+        x = mlp.down_proj(cpu_fused.silu_mul(mlp.gate_up_proj(h)))
+    return cpu_fused.add_rms_norm(x, residual, model.norm.weight, cfg.rms_norm_eps)[0]

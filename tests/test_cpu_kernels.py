@@ -1,0 +1,110 @@
+"""The int8 weight-only CPU kernel (mvllm/engine/cpu_kernels.py) against its float32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mvllm.engine import cpu_kernels as ck
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not ck.available():
+        pytest.skip(f"int8 CPU kernel unavailable: {ck.why_unavailable}")
+
+
+def reference(x, q, scales, bias=None):
+    y = x.double() @ ck.dequantize(q, scales).double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def assert_close(y, ref):
+    # 1e-4 relative to the output's scale: the kernel sums in a different order than the reference.
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 37])
+@pytest.mark.parametrize("out,inputs", [(100, 64), (1000, 896), (7, 4864)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference(kernel, rows, out, inputs, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out)
+    q, scales = ck.quantize_weight(torch.randn(out, inputs, generator=gen))
+    x = torch.randn(rows, inputs, generator=gen)
+    bias = torch.randn(out, generator=gen) if with_bias else None
+    assert_close(ck.int8_linear(x, q, scales, bias), reference(x, q, scales, bias))
+
+
+@pytest.mark.parametrize("group", [8, 48, 64])
+def test_other_group_sizes(kernel, group):
+    """Groups that are not a multiple of 16 take the portable path."""
+    q, scales = ck.quantize_weight(torch.randn(37, 192), group=group)
+    x = torch.randn(5, 192)
+    assert_close(ck.int8_linear(x, q, scales), reference(x, q, scales))
+
+
+def test_leading_dims_and_threads(kernel):
+    q, scales = ck.quantize_weight(torch.randn(300, 128))
+    x = torch.randn(2, 3, 128)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = ck.int8_linear(x, q, scales)
+    finally:
+        torch.set_num_threads(threads)
+    assert y.shape == (2, 3, 300)
+    assert_close(y.reshape(6, 300), reference(x.reshape(6, 128), q, scales))
+
+
+def test_rejects_bad_inputs(kernel):
+    q, scales = ck.quantize_weight(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="float32"):
+        ck.int8_linear(torch.randn(1, 64, dtype=torch.float64), q, scales)
+    with pytest.raises(ValueError, match="inputs"):
+        ck.int8_linear(torch.randn(1, 32), q, scales)
+
+
+def test_quantize_round_trip():
+    w = torch.randn(64, 256) * torch.logspace(-3, 1, 256)
+    w[3, :32] = 0  # an all-zero group gets scale 0 and q 0
+    q, scales = ck.quantize_weight(w)
+    assert q.dtype == torch.int8 and q.shape == (64, 256)
+    assert scales.dtype == torch.float32 and scales.shape == (64, 8)
+    assert q.abs().max() <= 127 and scales[3, 0] == 0 and (q[3, :32] == 0).all()
+    bound = scales.repeat_interleave(32, dim=1) / 2
+    assert ((w - ck.dequantize(q, scales)).abs() <= bound * (1 + 1e-4)).all()
+
+
+def test_quantize_rejects_partial_group():
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        ck.quantize_weight(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="multiple of the group size 64"):
+        ck.quantize_weight(torch.randn(8, 96), group=64)
+
+
+def test_build_failure_is_reported(monkeypatch):
+    def broken():
+        raise RuntimeError("Error building extension: no compiler")
+
+    monkeypatch.setattr(ck, "_load", broken)
+    monkeypatch.setattr(ck, "_op", ck._op)
+    monkeypatch.setattr(ck, "why_unavailable", ck.why_unavailable)
+    assert ck.available.__wrapped__() is False
+    assert ck.why_unavailable == "RuntimeError: Error building extension: no compiler"
+
+
+def test_missing_ninja_is_reported(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(ck, "_ninja_on_path", lambda: None)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    op, reason = ck._try_load()
+    assert op is None and "ninja" in reason
+
+
+def test_fallback_without_kernel(monkeypatch):
+    """With the kernel unavailable, int8_linear still computes the same result with torch ops."""
+    monkeypatch.setattr(ck, "available", lambda: False)
+    q, scales = ck.quantize_weight(torch.randn(50, 64))
+    x, bias = torch.randn(3, 64), torch.randn(50)
+    assert_close(ck.int8_linear(x, q, scales, bias), reference(x, q, scales, bias))
