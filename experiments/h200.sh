@@ -4,6 +4,8 @@
 #   bash experiments/h200.sh b   # GPU concurrency sweep
 #   bash experiments/h200.sh c   # sustained Poisson arrivals
 #   bash experiments/h200.sh d   # cache-hit sweep (2 runs: with 3 it did not fit stage a; see results/h200-logs)
+# The runs at e90c2d3 (results/*-int8-lossy, the sweeps) had cpu=cpu/quant=int8/threads=8, now spelled
+# quant=int8-lossy; the experiment files now leave the CPU mode to the machine (int8w on the H200's Xeon).
 # Every stage writes results/<experiment>/ plus a log in results/h200-logs/, and stops each step before
 # the stage's time (STAGE_S, default 570 s) runs out, so what finished is always kept.
 set -u
@@ -27,7 +29,7 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
 }
 if [[ ! -f $profile ]]; then  # GPU up to 16 active (the concurrency sweep's largest), CPU as served
     run 150 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
-        --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/quant=int8/threads=8/max_active=4 --out "$profile"
+        --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
 fi
 case $stage in
 a)

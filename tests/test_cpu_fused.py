@@ -157,12 +157,16 @@ def test_paged_attention_long_prefill():
 def test_paged_attention_rejects_bad_input():
     cache, table = paged_setup([20], 2, 16)
     q = torch.randn(1, 4, 16)
-    with pytest.raises(RuntimeError, match="key_len"):
-        cpu_fused.paged_attention(q, cache, table, torch.tensor([0]), torch.tensor([10_000]), BLOCK, 0.25)
+    with pytest.raises(ValueError, match="key_len"):
+        cpu_fused.paged_attention(q, cache, table, torch.tensor([0]), torch.tensor([10_000]), BLOCK, 0.25, check=True)
     bad = table.clone()
     bad[0, 0] = 10_000
-    with pytest.raises(RuntimeError, match="block_table"):
-        cpu_fused.paged_attention(q, cache, bad, torch.tensor([0]), torch.tensor([20]), BLOCK, 0.25)
+    with pytest.raises(ValueError, match="block_table"):
+        cpu_fused.paged_attention(q, cache, bad, torch.tensor([0]), torch.tensor([20]), BLOCK, 0.25, check=True)
+    with pytest.raises(ValueError, match="seq_of_token"):
+        cpu_fused.paged_attention(q, cache, table, torch.tensor([3]), torch.tensor([20]), BLOCK, 0.25, check=True)
+    out = cpu_fused.paged_attention(q, cache, table, torch.tensor([0]), torch.tensor([20]), BLOCK, 0.25, check=True)
+    assert out.shape == (1, 64)
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 4864), (4, 1536), (3, 37), (600, 64)])

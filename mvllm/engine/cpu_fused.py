@@ -105,11 +105,28 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_of_token: torch.Tensor,
-                    key_len: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """[T, heads * D]: token t attends to key positions [0, key_len[t]) of block_table[seq_of_token[t]]."""
+                    key_len: torch.Tensor, block_size: int, scale: float, check: bool = False) -> torch.Tensor:
+    """[T, heads * D]: token t attends to key positions [0, key_len[t]) of block_table[seq_of_token[t]].
+    check: validate key_len and the block ids in Python first (ValueError). The engine's inputs are valid by
+    construction and skip it; the C++ op's own checks crashed the process instead of raising on one machine
+    (torch 2.11 with the extension built by g++ 13)."""
+    if check:
+        check_attention_inputs(cache, block_table, seq_of_token, key_len, block_size)
     if not available():
         return reference_paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
     return _ops.paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
+
+
+def check_attention_inputs(cache, block_table, seq_of_token, key_len, block_size: int) -> None:
+    if seq_of_token.numel() and not 0 <= int(seq_of_token.min()) <= int(seq_of_token.max()) < block_table.shape[0]:
+        raise ValueError("seq_of_token names a row outside block_table")
+    if key_len.numel() and (int(key_len.min()) < 1 or int(key_len.max()) > block_table.shape[1] * block_size):
+        raise ValueError("key_len must be between 1 and the block_table's width in slots")
+    blocks = (cache.shape[1] - 1) // block_size
+    for t in range(key_len.numel()):
+        used = block_table[int(seq_of_token[t]), : -(-int(key_len[t]) // block_size)]
+        if used.numel() and not 0 <= int(used.min()) <= int(used.max()) < blocks:
+            raise ValueError(f"block_table holds a block id outside the cache's {blocks} blocks")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
