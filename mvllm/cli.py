@@ -74,7 +74,12 @@ def generate(
     rate = (len(out.token_ids) - 1) / decode_s if decode_s > 0 else float("nan")
     console.print(f"[dim]{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated; "
                   f"first token {1000 * (t.first_token - t.arrival):.0f} ms, decode {rate:.1f} tok/s "
-                  f"({model}, {device}, {llm.engine.dtype})[/dim]", highlight=False)
+                  f"({model}, {device}, {mode_name(llm.engine)})[/dim]", highlight=False)
+
+
+def mode_name(engine) -> str:
+    quant = "" if engine.config.quant == "none" else f" {engine.config.quant}"
+    return f"{str(engine.dtype).removeprefix('torch.')}{quant}"
 
 
 @app.command()

@@ -2,8 +2,7 @@
 about 9 calls (norm, qkv matmul, rope_store, paged_attention, o matmul, norm, gate_up matmul, silu_mul,
 down matmul) instead of ~40 small torch ops plus a copy of the paged KV context before attention.
 
-JIT-built like cpu_kernels (torch.utils.cpp_extension, ninja and a C++ compiler; cached under
-$MVLLM_CACHE/ext/<torch version>-<hash of source and flags>/). `available()` never raises: when the build
+Built on first use by engine/cpu_build.py and cached, like cpu_kernels. `available()` never raises: when the build
 fails it returns False and `why_unavailable` says why; the wrappers then run the `reference_*` versions
 (plain torch ops, the specification of each kernel's semantics, used by the tests).
 
@@ -19,72 +18,25 @@ Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
 
 import torch
 import torch.nn.functional as F
 
-from mvllm.model.loader import cache_dir
-
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fused.cpp")
-# Tried in order: compilers without OpenMP (Apple clang) or -march=native still get a working build.
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+from mvllm.engine import cpu_build
 
 why_unavailable = ""
 _ops = None
 
 
-def _build_dir(flags: list[str]) -> str:
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
-    path = cache_dir() / "ext" / f"{torch.__version__}-{key}"
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
-def _ninja_on_path() -> None:
-    """A pip-installed ninja sits next to the venv's python, which is not on PATH unless activated."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def _load():
-    """Build (or reuse the cached build) and load the extension; returns torch.ops.mvllm_fused."""
-    from torch.utils import cpp_extension
-
-    _ninja_on_path()
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja not found (pip install ninja)")
-    errors = []
-    for flags in FLAG_SETS:
-        ldflags = [f for f in flags if f == "-fopenmp"]
-        try:
-            cpp_extension.load(name="mvllm_fused", sources=[SOURCE], extra_cflags=flags, extra_ldflags=ldflags,
-                               build_directory=_build_dir(flags), is_python_module=False, verbose=False)
-            return torch.ops.mvllm_fused
-        except Exception as e:
-            errors.append(f"{' '.join(flags)}: {e}")
-    raise RuntimeError("could not build the fused kernels\n" + "\n".join(errors))
-
-
-def _try_load():
-    """(ops, "") or (None, reason)."""
-    try:
-        return _load(), ""
-    except Exception as e:
-        return None, f"{type(e).__name__}: {e}"
+    cpu_build.build("mvllm_fused", "fused.cpp")
+    return torch.ops.mvllm_fused
 
 
 @functools.cache
 def available() -> bool:
     global _ops, why_unavailable
-    _ops, why_unavailable = _try_load()
+    _ops, why_unavailable = cpu_build.attempt(_load)
     return _ops is not None
 
 

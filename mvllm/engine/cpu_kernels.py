@@ -2,8 +2,7 @@
 inputs, float32 activations. The kernel (csrc/int8_linear.cpp) reads each weight byte once per call for
 all activation rows, so decode (1-8 rows) runs near memory bandwidth on 28% of float32's bytes.
 
-It is JIT-built with torch.utils.cpp_extension (needs ninja and a C++ compiler) on first use and cached
-under $MVLLM_CACHE/ext/<torch version>-<hash of source and flags>/. `available()` never raises: when the
+It is built on first use by engine/cpu_build.py and cached. `available()` never raises: when the
 build fails it returns False and `why_unavailable` says why; `int8_linear` then computes the same result
 with plain torch ops (slowly, de-quantizing the whole weight).
 """
@@ -11,19 +10,12 @@ with plain torch ops (slowly, de-quantizing the whole weight).
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
 
 import torch
 
-from mvllm.model.loader import cache_dir
+from mvllm.engine import cpu_build
 
 GROUP = 32
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "int8_linear.cpp")
-# Tried in order: compilers without OpenMP (Apple clang) or -march=native still get a working build.
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 why_unavailable = ""
 _op = None
@@ -48,59 +40,13 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(out, groups, inputs // groups) * scales[..., None]).reshape(out, inputs)
 
 
-def _cpu_features() -> str:
-    """-march=native builds are per CPU: a cache shared between machines must not mix them up."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build_dir(flags: list[str]) -> str:
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(flags).encode() + _cpu_features().encode()).hexdigest()[:16]
-    path = cache_dir() / "ext" / f"{torch.__version__}-{key}"
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
-def _ninja_on_path() -> None:
-    """A pip-installed ninja sits next to the venv's python, which is not on PATH unless activated."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def _load():
-    """Build (or reuse the cached build) and load the extension; returns the op. Raises on failure."""
-    from torch.utils import cpp_extension
-
-    _ninja_on_path()
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja not found (pip install ninja)")
-    errors = []
-    for flags in FLAG_SETS:
-        ldflags = [f for f in flags if f == "-fopenmp"]
-        try:
-            cpp_extension.load(name="mvllm_int8_linear", sources=[SOURCE], extra_cflags=flags,
-                               extra_ldflags=ldflags, build_directory=_build_dir(flags),
-                               is_python_module=False, verbose=False)
-            return torch.ops.mvllm_int8.int8_linear
-        except Exception as e:
-            errors.append(f"{' '.join(flags)}: {e}")
-    raise RuntimeError("could not build the int8 kernel\n" + "\n".join(errors))
+    cpu_build.build("mvllm_int8_linear", "int8_linear.cpp")
+    return torch.ops.mvllm_int8.int8_linear
 
 
 def _try_load():
-    """(op, "") or (None, reason)."""
-    try:
-        return _load(), ""
-    except Exception as e:
-        return None, f"{type(e).__name__}: {e}"
+    return cpu_build.attempt(_load)
 
 
 @functools.cache
