@@ -21,3 +21,7 @@ class InvalidRequestError(MvllmError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     pass
+
+
+class ContextLengthError(InvalidRequestError):
+    """prompt + max_tokens do not fit the model's context (vLLM answers the same with a 400)."""

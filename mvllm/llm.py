@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mvllm.engine.engine import Engine, EngineConfig
+from mvllm.engine.engine import Engine, EngineConfig, check_budget
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence, Times
 from mvllm.errors import InvalidRequestError
@@ -82,6 +82,7 @@ class LLM:
                                       "cannot be matched; use stop_token_ids", "stop")
         for ids in prompt_ids:
             self.engine.check_prompt(ids)
+            check_budget(len(ids), params.max_tokens, self.engine.max_model_len)
         seqs = [self.engine.add_request(ids, params) for ids in prompt_ids]
         texts: dict[str, str] = {}
         while self.engine.has_unfinished():

@@ -180,3 +180,13 @@ def test_api_errors_are_typed():
         LLM("no-such-model")
     assert issubclass(PromptTooLongError, InvalidRequestError) and issubclass(InvalidRequestError, ValueError)
     assert UnsupportedModelError.__mro__[1].__name__ == "MvllmError"
+
+
+def test_max_tokens_beyond_the_context_is_a_typed_error(llm):
+    from mvllm.errors import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match="maximum context length is 48 tokens.*requested 49 tokens"):
+        llm.generate(GOOD, SamplingParams(max_tokens=40))
+    assert len(llm.generate(GOOD, SamplingParams(max_tokens=39, ignore_eos=True))[0].token_ids) == 39
+    with pytest.raises(InvalidRequestError, match="seed must fit in 64 bits"):
+        SamplingParams(seed=2**70)

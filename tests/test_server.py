@@ -110,6 +110,13 @@ def test_warm_prefix_is_reported_as_cached_tokens(mixed):
     ({"temperature": -1}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 1_000_000_000}, "max_tokens"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"max_tokens": 2**70}, "max_tokens"),
+    ({"seed": 2**70}, "seed"),
+    ({"top_k": -(2**70)}, "top_k"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"prompt": [2**70]}, "prompt"),
 ])
 def test_bad_requests_get_openai_400(mixed, body, param):
     r = complete(mixed, **body)
@@ -117,6 +124,20 @@ def test_bad_requests_get_openai_400(mixed, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and err["message"]
+
+
+def test_max_tokens_beyond_the_context_gets_vllms_400_and_absent_means_to_its_end(mixed):
+    max_len = httpx.get(f"{mixed.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    r = complete(mixed, prompt=[1, 2, 3, 4], max_tokens=max_len)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(f"This model's maximum context length is {max_len} tokens. However, you "
+                                      f"requested {max_len + 4} tokens (4 in the messages, {max_len} in the completion)")
+    assert complete(mixed, prompt=[1, 2, 3, 4], max_tokens=max_len - 4).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**12}
+    r = httpx.post(f"{mixed.url}/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400, r.text
 
 
 def test_malformed_json_and_missing_fields(mixed):

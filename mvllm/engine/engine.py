@@ -15,7 +15,7 @@ from mvllm.engine.params import SamplingParams
 from mvllm.engine.quant import cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import Sequence
-from mvllm.errors import InvalidRequestError, PromptTooLongError
+from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
 from mvllm.model.loader import ModelSource, build_model, resolve
 
 DEFAULT_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "mps": torch.float16}
@@ -86,6 +86,15 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
     if len(token_ids) >= max_model_len:
         raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but this model's context is "
                                  f"{max_model_len}; shorten the prompt", "prompt")
+
+
+def check_budget(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """An explicit max_tokens must fit the context with the prompt, as vLLM and OpenAI require."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                                 f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                                 "completion.", "max_tokens")
 
 
 @dataclass(slots=True)

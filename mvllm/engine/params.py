@@ -42,6 +42,12 @@ class SamplingParams:
             bad("stop_token_ids", f"must be integer token ids, got {self.stop_token_ids!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", f"must be non-empty strings, got {self.stop!r}")
+        for name in ("max_tokens", "top_k", "min_tokens", "seed"):
+            value = getattr(self, name)
+            if value is not None and not -2**63 <= value < (2**64 if name == "seed" else 2**63):
+                bad(name, f"must fit in 64 bits, got {value}")
+        if not all(-2**63 <= t < 2**63 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must fit in 64 bits")
         if self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from mvllm.engine.engine import check_prompt
+from mvllm.engine.engine import check_budget, check_prompt
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.llm import Tokenizer
@@ -68,12 +68,14 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
             raise InvalidRequestError(f"model {body.model!r} is not served here; this server serves "
                                       f"{model_name!r}", "model")
 
-    def check(body, token_ids: list[int], max_tokens: int | None) -> SamplingParams:
-        """max_tokens: what the client asked for; None means up to the context's end."""
+    def check(body, token_ids: list[int], max_tokens: int | None, default: int | None = None) -> SamplingParams:
+        """max_tokens: what the client asked for, which must fit the context with the prompt (a 400 as
+        vLLM's otherwise); absent: `default` capped at the context's end, or up to the context's end."""
         check_prompt(token_ids, vocab_size, max_len)
-        default = max_len - len(token_ids)
-        params = body.sampling_params(max_tokens if max_tokens is not None else default)
-        params.max_tokens = min(params.max_tokens, default)  # as vLLM: generation stops at the context's end
+        room = max_len - len(token_ids)
+        params = body.sampling_params(max_tokens if max_tokens is not None else min(default or room, room))
+        if max_tokens is not None:
+            check_budget(len(token_ids), max_tokens, max_len)
         return params
 
     @app.post("/v1/completions")
@@ -85,7 +87,7 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
                 raise InvalidRequestError("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         token_ids = tokenizer.encode(prompt)
-        params = check(body, token_ids, 16 if body.max_tokens is None else body.max_tokens)
+        params = check(body, token_ids, body.max_tokens, default=16)  # OpenAI's completions default
         return await respond(body, token_ids, params, request, chat=False)
 
     @app.post("/v1/chat/completions")
