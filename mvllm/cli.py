@@ -124,13 +124,17 @@ def serve(
     warm_prefix: str = typer.Option(None, help="File with a prefix (text, or a JSON list of token ids) to "
                                                "pre-seed every backend's prefix cache with."),
     ready_timeout: float = typer.Option(600, help="Seconds to wait for every backend to load."),
+    shutdown_timeout: float = typer.Option(30, help="On SIGTERM or Ctrl-C: seconds to let running requests "
+                                                    "finish before aborting them (a second signal: at once)."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
     from mvllm.backends import default_backends
     from mvllm.server.serve import serve as run
 
+    if shutdown_timeout < 0:
+        raise MvllmError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout:g}")
     run(model, backends or default_backends(), policy, profile, max_active, host, port, routing_log, warm_prefix,
-        ready_timeout)
+        ready_timeout, shutdown_timeout)
 
 
 @app.command()

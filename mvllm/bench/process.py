@@ -36,7 +36,8 @@ def tail(path: Path, n: int = 15) -> str:
 class ServerProcess:
     def __init__(self, args: list[str], log: Path, host: str = "127.0.0.1", port: int | None = None):
         self.host, self.port = host, port or free_port()
-        self.command = [sys.executable, "-m", "mvllm.cli", "serve", *args, "--host", host, "--port", str(self.port)]
+        self.command = [sys.executable, "-m", "mvllm.cli", "serve", "--shutdown-timeout", "5", *args, "--host", host,
+                        "--port", str(self.port)]
         self.log = log
         self.proc: subprocess.Popen | None = None
 

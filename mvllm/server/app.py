@@ -193,7 +193,7 @@ class Run:
                     return  # leaving the stream aborts the request on its backend
                 yield text, [ev.token]
             if ev.finish_reason:
-                self.finish_reason = "length" if ev.finish_reason == "length" else "stop"
+                self.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
                 self._observe()
                 return
 

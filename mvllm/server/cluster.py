@@ -17,6 +17,10 @@ from mvllm.routing.router import Router
 from mvllm.server.metrics import Metrics
 
 
+class ShuttingDownError(MvllmError):
+    pass
+
+
 @dataclass(slots=True)
 class Event:
     """What a request's stream yields: a token, its end, or an error."""
@@ -35,6 +39,7 @@ class Cluster:
         self.owner: dict[str, str] = {}
         self.snapshots: dict[str, dict] = {}
         self.metrics = Metrics(list(self.backends))
+        self.draining = False
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -91,6 +96,8 @@ class Cluster:
     async def submit(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
                      prefix: str = "cmpl") -> tuple[str, str]:
         """Route and submit one request; returns (request id, backend name)."""
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
         rid = f"{prefix}-{uuid.uuid4().hex[:16]}"
         cached = await self.cached_prefix(token_ids)
         name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
@@ -125,6 +132,22 @@ class Cluster:
             self.backends[name].abort(rid)
         except MvllmError:
             pass
+
+    async def drain(self, timeout: float) -> int:
+        """Take no new requests, let those in flight finish for up to `timeout` seconds, then abort the
+        rest: their streams end with finish_reason "abort". Returns how many were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.owner.items())
+        for rid, name in left:
+            self.abort(name, rid)
+            self._put(rid, Event(finish_reason="abort"))
+        deadline = time.monotonic() + 2.0  # time for each stream to write its last chunk
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return len(left)
 
     async def warm(self, token_ids: list[int], backend: str | None = None) -> dict[str, int]:
         targets = [self.backends[backend]] if backend else [b for b in self.backends.values() if b.alive]

@@ -79,8 +79,11 @@ def choose_policy(policy: str | None, profile: str | None) -> str:
 
 
 def serve(model: str, backends: str, policy: str | None, profile: str | None, max_active: int | None, host: str,
-          port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float) -> None:
+          port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float,
+          shutdown_timeout: float = 30.0) -> None:
     import uvicorn
+
+    from mvllm.server.shutdown import GracefulServer
 
     specs = parse_backends(backends, max_active)
     for line in lossy_warnings(specs):
@@ -101,6 +104,8 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
         names = ", ".join(f"{s.name}={s.device}" for s in specs)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        GracefulServer(config, cluster, shutdown_timeout, console).run()
     finally:
         cluster.shutdown()
+    console.print("mvllm: stopped")

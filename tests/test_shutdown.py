@@ -1,0 +1,117 @@
+"""Graceful shutdown: SIGTERM drains (503 for new requests, running ones finish or end with an "abort"
+chunk and [DONE]), the workers stop and the server exits 0; workers never outlive a SIGKILLed server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+
+from mvllm.bench.process import ServerProcess
+
+MODEL = "synthetic:smollm2-135m"  # slow enough on one thread (~10-30 ms a step) to stop mid-stream
+BACKENDS = "gpu=cpu/threads=1,cpu=cpu/threads=1"
+
+
+def start(tmp_path, *args) -> ServerProcess:
+    server = ServerProcess(["--model", MODEL, "--backends", BACKENDS, "--policy", "round-robin", *args],
+                           tmp_path / "server.log").start()
+    server.wait_ready(180)
+    return server
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") and "zombie" not in _state(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line for line in f if line.startswith("State")), "").lower()
+    except OSError:
+        return "zombie"
+
+
+def stream(url: str, max_tokens: int, out: list, started: threading.Event) -> None:
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                started.set()
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    server = start(tmp_path, "--shutdown-timeout", "1", "--routing-log", str(tmp_path / "routing.jsonl"))
+    try:
+        workers = children(server.proc.pid)
+        assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+        chunks: list[str] = []
+        started = threading.Event()
+        reader = threading.Thread(target=stream, args=(server.url, 2000, chunks, started))
+        reader.start()
+        assert started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        late = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                          json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        reader.join(30)
+        assert not reader.is_alive()
+        assert chunks[-1] == "[DONE]"
+        last = json.loads(chunks[-2])["choices"][0]
+        assert last["finish_reason"] == "abort"
+        assert server.proc.wait(30) == 0
+        assert gone(workers, 2.0)
+        log = server.log.read_text()
+        assert "aborted 1 request(s)" in log and "mvllm: stopped" in log
+        assert (tmp_path / "routing.jsonl").read_text().count("\n") >= 1
+    finally:
+        server.stop()
+
+
+def test_running_requests_finish_within_the_timeout(tmp_path):
+    server = start(tmp_path, "--shutdown-timeout", "30")
+    try:
+        chunks: list[str] = []
+        started = threading.Event()
+        reader = threading.Thread(target=stream, args=(server.url, 100, chunks, started))
+        reader.start()
+        assert started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert not reader.is_alive()
+        finals = [json.loads(c)["choices"][0] for c in chunks if c != "[DONE]"]
+        assert chunks[-1] == "[DONE]" and finals[-1]["finish_reason"] == "length"
+        assert sum(len(c["token_ids"]) for c in finals) == 100
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_workers_do_not_outlive_a_killed_server(tmp_path):
+    server = start(tmp_path)
+    try:
+        workers = children(server.proc.pid)
+        assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+        server.proc.kill()
+        server.proc.wait(10)
+        assert gone(workers, 2.0)
+    finally:
+        server.stop()
