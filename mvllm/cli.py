@@ -126,6 +126,8 @@ def serve(
     ready_timeout: float = typer.Option(600, help="Seconds to wait for every backend to load."),
     shutdown_timeout: float = typer.Option(30, help="On SIGTERM or Ctrl-C: seconds to let running requests "
                                                     "finish before aborting them (a second signal: at once)."),
+    restart_backends: bool = typer.Option(False, help="Respawn a backend whose worker dies, warm it again and "
+                                                      "route to it again."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
     from mvllm.backends import default_backends
@@ -134,7 +136,7 @@ def serve(
     if shutdown_timeout < 0:
         raise MvllmError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout:g}")
     run(model, backends or default_backends(), policy, profile, max_active, host, port, routing_log, warm_prefix,
-        ready_timeout, shutdown_timeout)
+        ready_timeout, shutdown_timeout, restart_backends)
 
 
 @app.command()

@@ -98,6 +98,10 @@ class Router:
         self.bookings[backend].clear()
         return held
 
+    def revive(self, backend: str) -> None:
+        """A restarted backend takes requests again."""
+        self.alive[backend] = True
+
     def close(self) -> None:
         if self.log:
             self.log.close()

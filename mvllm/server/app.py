@@ -120,10 +120,11 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
 
     @app.get("/health")
     async def health():
+        states = {n: {"alive": b.alive, "restarts": cluster.restarts[n]} for n, b in cluster.backends.items()}
         if not cluster.healthy():
             down = [n for n, b in cluster.backends.items() if not b.alive]
-            return JSONResponse({"status": "degraded", "down": down}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": "degraded", "down": down, "backends": states}, status_code=503)
+        return {"status": "ok", "backends": states}
 
     @app.get("/metrics")
     async def metrics():
@@ -177,6 +178,8 @@ class Run:
     async def deltas(self) -> AsyncIterator[tuple[str, list[int]]]:
         """Yield (text delta, new token ids) until the request ends."""
         async for ev in self.cluster.events(self.rid):
+            if ev.backend is not None:
+                self.backend = ev.backend
             if ev.cached_tokens is not None:
                 self.cached = ev.cached_tokens
             if ev.error:
@@ -222,6 +225,7 @@ class Shape:
                 "choices": choices, "backend": self.backend, **extra}
 
     def whole(self, run: Run) -> dict:
+        self.backend = run.backend
         text = run.detok.text
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -267,6 +271,7 @@ async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[str]
     if shape.chat:
         yield line(shape.chunk(None, [], None, role=True))
     async for text, ids in run.deltas():
+        shape.backend = run.backend
         yield line(shape.chunk(text, ids, None))
     if run.error:
         yield line({"error": {"message": run.error, "type": "server_error", "param": None,

@@ -29,17 +29,26 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int | None = None
+    backend: str | None = None  # the request moved to this backend (its first one died before it began)
 
 
 class Cluster:
-    def __init__(self, specs: list[BackendSpec], model: str, router: Router):
-        self.model, self.router = model, router
+    """restart: respawn a backend whose worker died, warm it with the prefixes warmed so far, and route to it
+    again. A dead backend's requests that have not sent a token yet go to another backend by the policy."""
+
+    def __init__(self, specs: list[BackendSpec], model: str, router: Router, restart: bool = False,
+                 ready_timeout: float = 600.0):
+        self.model, self.router, self.restart, self.ready_timeout = model, router, restart, ready_timeout
         self.backends = {s.name: ProcessBackend(s, model) for s in specs}
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, str] = {}
+        self.unstarted: dict[str, tuple[list[int], SamplingParams, float]] = {}  # no token sent yet
         self.snapshots: dict[str, dict] = {}
         self.metrics = Metrics(list(self.backends))
+        self.restarts = {name: 0 for name in self.backends}
+        self.warmed: list[list[int]] = []
         self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -51,6 +60,7 @@ class Cluster:
             raise
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         for backend in self.backends.values():
             backend.listen(loop, self._on_event)
 
@@ -68,19 +78,73 @@ class Cluster:
             self.snapshots[name].update(load)
             self.metrics.observe_snapshot(name, load)
             for rid, token, reason in tokens:
+                self.unstarted.pop(rid, None)
                 self.router.on_tokens(name, rid, 1)
                 if reason:
                     self.router.on_finished(name, rid)
                 self._put(rid, Event(token=token, finish_reason=reason))
         elif kind in ("error", "aborted"):
             rid = msg[1]
+            self.unstarted.pop(rid, None)
             self.router.on_finished(name, rid)
             self._put(rid, Event(error=msg[2]) if kind == "error" else Event(finish_reason="abort"))
         elif kind == "dead":
             self.backends[name].mark_dead()
             self.metrics.backend_up.labels(name).set(0)
             for rid in self.router.on_dead(name):
-                self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
+                if rid in self.unstarted and rid in self.streams and not self.draining:
+                    asyncio.ensure_future(self._reroute(rid, name))
+                else:
+                    self.unstarted.pop(rid, None)
+                    self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
+            if self.restart and not self.draining:
+                asyncio.ensure_future(self._respawn(name))
+
+    async def _reroute(self, rid: str, dead: str) -> None:
+        """Place a request that had sent nothing yet on a live backend; its client sees no difference."""
+        token_ids, params, arrival = self.unstarted[rid]
+        try:
+            cached = await self.cached_prefix(token_ids)
+            name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
+            self.backends[name].submit(rid, token_ids, params, arrival)
+        except MvllmError as e:
+            self.unstarted.pop(rid, None)
+            self._put(rid, Event(error=f"backend {dead} stopped before serving this request, and {e}"))
+            return
+        self.owner[rid] = name
+        self.metrics.routed.labels(name).inc()
+        self.metrics.rerouted.labels(dead).inc()
+        self._put(rid, Event(backend=name))
+
+    async def _respawn(self, name: str) -> None:
+        old = self.backends[name]
+        old.process.join(0)
+
+        def spawn() -> ProcessBackend:
+            backend = ProcessBackend(old.spec, self.model)
+            try:
+                backend.wait_ready(self.ready_timeout)
+            except MvllmError:
+                backend.shutdown()
+                raise
+            return backend
+
+        try:
+            backend = await asyncio.get_running_loop().run_in_executor(None, spawn)
+        except MvllmError:
+            return
+        if self.draining:
+            backend.shutdown()
+            return
+        self.backends[name] = backend
+        self.snapshots[name] = backend.info
+        backend.listen(self.loop, self._on_event)
+        for ids in self.warmed:
+            await self.warm(ids, backend=name)
+        self.restarts[name] += 1
+        self.metrics.restarts.labels(name).inc()
+        self.metrics.backend_up.labels(name).set(1)
+        self.router.revive(name)
 
     def _put(self, rid: str, event: Event) -> None:
         stream = self.streams.get(rid)
@@ -103,6 +167,7 @@ class Cluster:
         name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
         self.streams[rid] = asyncio.Queue()
         self.owner[rid] = name
+        self.unstarted[rid] = (token_ids, params, arrival or time.time())
         self.metrics.routed.labels(name).inc()
         self.backends[name].submit(rid, token_ids, params, arrival or time.time())
         return rid, name
@@ -122,6 +187,7 @@ class Cluster:
                     return
         finally:
             self.streams.pop(rid, None)
+            self.unstarted.pop(rid, None)
             name = self.owner.pop(rid, None)
             if not done and name is not None:
                 self.abort(name, rid)
@@ -150,11 +216,15 @@ class Cluster:
         return len(left)
 
     async def warm(self, token_ids: list[int], backend: str | None = None) -> dict[str, int]:
+        """Warm one backend or all live ones; a restarted backend is warmed again with every prefix so far."""
+        if backend is None and token_ids not in self.warmed:
+            self.warmed = (self.warmed + [token_ids])[-8:]
         targets = [self.backends[backend]] if backend else [b for b in self.backends.values() if b.alive]
         done = await asyncio.gather(*(b.call("warm", token_ids) for b in targets))
         return {b.name: n for b, n in zip(targets, done)}
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
+        self.warmed = []
         alive = [b for b in self.backends.values() if b.alive]
         done = await asyncio.gather(*(b.call("reset_prefix_cache", timeout=60) for b in alive))
         return {b.name: ok for b, ok in zip(alive, done)}

@@ -26,9 +26,13 @@ class Metrics:
                               registry=r)
         self.e2e = Histogram("mvllm_e2e_request_latency_seconds", "End-to-end request latency", b,
                              buckets=BUCKETS, registry=r)
+        self.restarts = Counter("mvllm_backend_restarts", "Times the backend's worker was respawned", b, registry=r)
+        self.rerouted = Counter("mvllm_requests_rerouted", "Requests moved off the backend when it died before "
+                                "sending them a token", b, registry=r)
         for name in backends:
             self.backend_up.labels(name).set(1)
-            self.routed.labels(name)
+            for counter in (self.routed, self.restarts, self.rerouted):
+                counter.labels(name)
 
     def observe_snapshot(self, name: str, snap: dict) -> None:
         self.running.labels(name).set(snap["running"])

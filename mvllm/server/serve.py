@@ -80,7 +80,7 @@ def choose_policy(policy: str | None, profile: str | None) -> str:
 
 def serve(model: str, backends: str, policy: str | None, profile: str | None, max_active: int | None, host: str,
           port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float,
-          shutdown_timeout: float = 30.0) -> None:
+          shutdown_timeout: float = 30.0, restart_backends: bool = False) -> None:
     import uvicorn
 
     from mvllm.server.shutdown import GracefulServer
@@ -96,7 +96,7 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
     if prefix is not None:
         tokenizer.encode(prefix)
     default_threads(specs)
-    cluster = Cluster(specs, model, router)
+    cluster = Cluster(specs, model, router, restart=restart_backends, ready_timeout=ready_timeout)
     try:
         with console.status(f"starting {len(specs)} backends for {model}"):
             cluster.wait_ready(ready_timeout)

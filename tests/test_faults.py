@@ -1,0 +1,80 @@
+"""A backend that dies: requests that had sent nothing yet move to a live backend unseen by their clients,
+a stream in progress ends with an OpenAI-shaped error event and [DONE], and --restart-backends brings the
+backend back, warmed, into the router."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from mvllm.bench.process import ServerProcess
+
+MODEL = "synthetic:smollm2-135m"  # slow enough on one thread that requests queue behind a long one
+BACKENDS = "gpu=cpu/threads=1/max_active=1,cpu=cpu/threads=1/max_active=1"
+
+
+def post(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
+    prefix = list(range(300, 332))  # 2 full blocks
+    (tmp_path / "prefix.json").write_text(json.dumps(prefix))
+    server = ServerProcess(["--model", MODEL, "--backends", BACKENDS, "--policy", "gpu-only", "--restart-backends",
+                            "--warm-prefix", str(tmp_path / "prefix.json")], tmp_path / "server.log").start()
+    server.wait_ready(180)
+    try:
+        pids = {b["name"]: b["pid"] for b in httpx.get(f"{server.url}/v1/backends").json()}
+        lines: list[str] = []
+        streaming = threading.Event()
+
+        def long_stream():
+            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        streaming.set()
+
+        queued: dict[int, httpx.Response] = {}
+
+        def one(i: int):
+            queued[i] = post(server.url, prefix + [i, i + 1], 6)
+
+        stream = threading.Thread(target=long_stream)
+        stream.start()
+        assert streaming.wait(60)
+        waiting = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in waiting:
+            t.start()
+        time.sleep(1.0)  # the three wait behind the stream on the gpu backend (max_active 1)
+        killed = time.monotonic()
+        os.kill(pids["gpu"], signal.SIGKILL)
+        stream.join(30)
+        assert time.monotonic() - killed < 1.5
+        assert lines[-1] == "[DONE]" and "error" in json.loads(lines[-2])
+        for t in waiting:
+            t.join(120)
+        assert all(r.status_code == 200 for r in queued.values()), [r.text for r in queued.values()]
+        assert {r.json()["backend"] for r in queued.values()} == {"cpu"}
+        for i, r in queued.items():  # the same tokens as the same request served directly
+            assert r.json()["choices"][0]["token_ids"] == post(server.url, prefix + [i, i + 1], 6).json()[
+                "choices"][0]["token_ids"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and httpx.get(f"{server.url}/health").status_code != 200:
+            time.sleep(0.5)
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["status"] == "ok" and health["backends"]["gpu"] == {"alive": True, "restarts": 1}
+        again = post(server.url, prefix + [9, 9], 4).json()
+        assert again["backend"] == "gpu" and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'mvllm_backend_restarts_total{backend="gpu"} 1.0' in metrics
+        assert 'mvllm_requests_rerouted_total{backend="gpu"} 3.0' in metrics
+    finally:
+        server.stop()
