@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install test lint demo bench-paper report clean
+.PHONY: install test lint demo soak bench-paper report clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ demo: install
 	$(BIN)/mvllm bench experiments/demo.toml
 	$(BIN)/mvllm report results/demo
 	@echo "demo charts and summary: results/demo/report/ (summary.md, *.png)"
+
+# soak: 1,000 streaming requests, 200 at once, a third cut mid-stream, on a tiny model (~30 s; not in `make test`)
+soak: install
+	$(BIN)/python tests/soak.py
 
 bench-paper: install
 	$(BIN)/mvllm bench experiments/paper-8.toml
