@@ -57,7 +57,8 @@ def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
         killed = time.monotonic()
         os.kill(pids["gpu"], signal.SIGKILL)
         stream.join(30)
-        assert time.monotonic() - killed < 1.5
+        print(f"the stream ended {time.monotonic() - killed:.2f} s after the kill")
+        assert time.monotonic() - killed < 1.0
         assert lines[-1] == "[DONE]" and "error" in json.loads(lines[-2])
         for t in waiting:
             t.join(120)
