@@ -172,6 +172,38 @@ def bench(
 
 @app.command()
 @one_line_errors
+def simulate(
+    experiment: str = typer.Argument(..., help="An experiment file (experiments/*.toml)."),
+    profile: str = typer.Option(None, help="Profile JSON to model the backends from (default: the "
+                                           "experiment's; for profile = \"auto\", results/<name>/profile.json)."),
+    policy: str = typer.Option(None, help="Comma-separated policies instead of the experiment's."),
+    out: str = typer.Option(None, help="Where each policy's summary.json goes (default: "
+                                       "results/<name>/simulated)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summaries as JSON on stdout."),
+):
+    """Predict an experiment from a profile without running it: its workload through the real router and
+    policies, each backend modelled by eta's timing model; measured results shown beside where they exist."""
+    import json
+    from pathlib import Path
+
+    from mvllm.bench import experiment as ex
+    from mvllm.profile import load_profile
+    from mvllm.simulate import find_profile, measured, table
+    from mvllm.simulate import simulate as run
+
+    exp = ex.load(experiment)
+    policies = [ex.check_policy(p.strip()) for p in policy.split(",") if p.strip()] if policy else exp.policies
+    data = load_profile(find_profile(exp, profile))
+    folder = Path(out) if out else Path("results") / exp.name / "simulated"
+    rows = run(exp, data, policies, folder)
+    console.print(table(exp, rows, measured(Path("results") / exp.name)))
+    console.print(f"wrote {len(rows)} summaries under {folder}", highlight=False)
+    if json_out:
+        print(json.dumps(rows, indent=2))
+
+
+@app.command()
+@one_line_errors
 def report(
     folder: str = typer.Argument(None, help="One experiment's results folder (default: every experiment "
                                             "under results/)."),

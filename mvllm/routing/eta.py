@@ -41,12 +41,14 @@ def finish_time(timing: Timing, bookings: list[Booking], new_prefill: int, new_d
     queue = [(b.pending_prefill, b.pending_decode, False) for b in bookings if not b.active]
     queue.append((new_prefill, new_decode, True))
     t = sum(b.pending_prefill for b in bookings if b.active) / timing.prefill_rate
+    top, head = timing.max_active, 0
     while True:
-        while queue and len(running) < timing.max_active:
-            prefill, decode, is_new = queue.pop(0)
+        while head < len(queue) and len(running) < top:
+            prefill, decode, is_new = queue[head]
+            head += 1
             t += prefill / timing.prefill_rate
             running.append([decode, is_new])
-        step = timing.step_s[min(len(running), timing.max_active) - 1]
+        step = timing.step_s[min(len(running), top) - 1]
         k = min(r[0] for r in running)
         t += k * step
         for r in running:

@@ -56,7 +56,7 @@ class Router:
                 booked = list(self.bookings[b].values())
                 c = candidate(b, booked, prompt_tokens, cached.get(b, 0), max_tokens, float(r["prefill_rate"]),
                               float(r["decode_rate"]))
-                if self.timings.get(b):
+                if self.timings.get(b) and (self.policy.name == "eta" or self.log):
                     c.eta = finish_time(self.timings[b], booked, prompt_tokens - cached.get(b, 0), max_tokens)
                 out[b] = c
         return out
@@ -66,7 +66,8 @@ class Router:
         alive = self.alive_backends()
         if not alive:
             raise NoBackendError("no backend is alive to serve the request")
-        cands = self.candidates(prompt_tokens, max_tokens, cached)
+        # scores only where the policy or the routing log reads them: eta's replay costs O(queue) per backend
+        cands = self.candidates(prompt_tokens, max_tokens, cached) if self.policy.needs_scores or self.log else {}
         choice = self.policy.choose(alive, cands)
         self.bookings[choice][request_id] = Booking(request_id, prompt_tokens, cached.get(choice, 0), max_tokens)
         self.decisions[choice] += 1

@@ -27,9 +27,15 @@ def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict]
     is kept, and eta's timing repeats its largest batch's step time up to max_active."""
     if not profile:
         return None
-    from mvllm.profile import choose_rates, load_profile
+    from mvllm.profile import load_profile
 
-    rates = load_profile(profile)["backends"]
+    return rates_as_served(load_profile(profile), specs)
+
+
+def rates_as_served(profile: dict, specs: list[BackendSpec]) -> dict[str, dict]:
+    from mvllm.profile import choose_rates
+
+    rates = dict(profile["backends"])
     for spec in specs:
         entry = rates.get(spec.name)
         decode = (entry or {}).get("decode") or []

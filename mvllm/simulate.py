@@ -1,0 +1,205 @@
+"""`mvllm simulate`: an experiment's workload replayed through the real Router and policies, with every
+backend modelled from a profile instead of run.
+
+Each backend is eta's timing model (routing/eta.py: `Timing`), stepped through time as the engine steps:
+FCFS admission up to max_active; every step gives one token to each running request, and a request's first
+token comes at the end of the step that admits it. A step of b requests takes the profile's decode step
+time at batch b, plus the uncached prompt tokens it admits at the profile's prefill rate. Cached prefixes
+are full blocks of 16 found by the same chain of block hashes as the engine's (warmed as the bench warms
+them; no eviction is modelled). The router sees the events a worker would send (admitted, token,
+finished), so mixed, eta and split:K decide as they would in `mvllm serve`. Requests run to max_tokens
+(the bench ignores EOS). Output: one `summary.json` per policy and setting with bench's keys, in seconds
+of simulated time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mvllm.backends import default_backends, parse_backends
+from mvllm.bench import workload as wl
+from mvllm.bench.experiment import Experiment
+from mvllm.bench.metrics import RequestRecord, summarize
+from mvllm.errors import MvllmError
+from mvllm.routing.eta import Timing
+from mvllm.routing.router import Router
+from mvllm.server.serve import rates_as_served
+
+BLOCK = 16
+
+
+class SimulateError(MvllmError):
+    pass
+
+
+@dataclass(slots=True)
+class Job:
+    record: RequestRecord
+    prompt: list[int]
+    max_tokens: int
+    rid: str
+    cached: int = 0
+    generated: int = 0
+
+
+@dataclass
+class Backend:
+    name: str
+    timing: Timing
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    blocks: set = field(default_factory=set)
+    busy: bool = False
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        n, h = 0, None
+        for i in range(len(tokens) // BLOCK):
+            h = hash((h, tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
+            if h not in self.blocks:
+                break
+            n += BLOCK
+        return n
+
+    def cache(self, tokens: list[int]) -> None:
+        h = None
+        for i in range(len(tokens) // BLOCK):
+            h = hash((h, tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
+            self.blocks.add(h)
+
+    def start_step(self, router: Router) -> float:
+        """Admit what fits, return the step's duration; the caller ends it with `end_step`."""
+        prefill = 0
+        while self.waiting and len(self.running) < self.timing.max_active:
+            job = self.waiting.popleft()
+            job.cached = min(self.cached_prefix_len(job.prompt), len(job.prompt) - 1)
+            prefill += len(job.prompt) - job.cached
+            router.on_scheduled(self.name, job.rid, job.cached)
+            self.running.append(job)
+        self.busy = True
+        return self.timing.step_s[len(self.running) - 1] + prefill / self.timing.prefill_rate
+
+    def end_step(self, now: float, router: Router) -> None:
+        for job in list(self.running):
+            if job.generated == 0:
+                job.record.first_token, job.record.cached_tokens = now, job.cached
+                self.cache(job.prompt)
+            job.generated += 1
+            job.record.chunks.append(now)
+            router.on_tokens(self.name, job.rid, 1)
+            if job.generated >= job.max_tokens:
+                job.record.finish, job.record.output_tokens = now, job.generated
+                router.on_finished(self.name, job.rid)
+                self.running.remove(job)
+        self.busy = False
+
+
+def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
+    out = {}
+    for name in names:
+        timing = Timing.from_profile(rates.get(name, {}))
+        if timing is None:
+            raise SimulateError(f"the profile has no decode step times for backend {name!r}; the simulator "
+                                "needs a profile made by `mvllm profile`")
+        out[name] = timing
+    return out
+
+
+def run_one(exp: Experiment, policy: str, profile: dict, vocab: int) -> dict:
+    text = default_backends() if exp.backends == "default" else exp.backends
+    specs = parse_backends(text, exp.max_active, check_devices=False)
+    rates = rates_as_served(profile, specs)
+    backends = {name: Backend(name, t) for name, t in timings(rates, [s.name for s in specs]).items()}
+    router = Router(list(backends), policy, rates)
+    prefix, requests = wl.build(exp.workload, vocab)
+    if exp.workload.warm and prefix:
+        for b in backends.values():
+            b.cache(prefix)
+    events: list[tuple[float, int, str, object]] = [(r.arrival, i, "arrive", r) for i, r in enumerate(requests)]
+    heapq.heapify(events)
+    seq, records = len(events), []
+    while events:
+        now, _, kind, what = heapq.heappop(events)
+        if kind == "arrive":
+            rec = RequestRecord(what.id, what.arrival, len(what.prompt), sent=what.arrival)
+            records.append(rec)
+            rid = f"sim-{what.id}"
+            cached = {n: b.cached_prefix_len(what.prompt) for n, b in backends.items()}
+            name = router.route(rid, len(what.prompt), what.output_tokens, cached)
+            rec.backend = name
+            backend = backends[name]
+            backend.waiting.append(Job(rec, what.prompt, what.output_tokens, rid))
+        else:
+            backend = what
+            backend.end_step(now, router)
+        if not backend.busy and (backend.waiting or backend.running):
+            seq += 1
+            heapq.heappush(events, (now + backend.start_step(router), seq, "step", backend))
+    router.close()
+    return summarize(records)
+
+
+def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None) -> list[dict]:
+    """One summary per (setting, policy), in the order bench runs them."""
+    if exp.workload.arrival not in ("fixed", "poisson", "gamma"):
+        raise SimulateError(f"arrival {exp.workload.arrival!r} cannot be simulated")
+    rows = []
+    for value, point in exp.points():
+        vocab = wl.vocab_of(point.model, point.workload)
+        for policy in policies:
+            summary = run_one(point, policy, profile, vocab)
+            summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True)
+            rows.append(summary)
+            if out is not None:
+                label = policy.replace(":", "-") + ("" if value is None else f"-{exp.sweep.knob}-{value}")
+                folder = out / label
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return rows
+
+
+def find_profile(exp: Experiment, given: str | None) -> Path:
+    """--profile, else the experiment's: a file next to the cwd or the experiment, or for "auto" the one
+    bench measured into results/<name>/profile.json."""
+    if given:
+        return Path(given)
+    if exp.profile is None:
+        raise SimulateError(f"experiment {exp.name} names no profile; pass --profile (made by `mvllm profile`)")
+    if exp.profile == "auto":
+        path = Path("results") / exp.name / "profile.json"
+        if not path.is_file():
+            raise SimulateError(f"experiment {exp.name} measures its profile when benched ('auto') and {path} "
+                                "does not exist yet; pass --profile")
+        return path
+    for base in (Path.cwd(), exp.path.parent if exp.path else Path.cwd()):
+        if (base / exp.profile).is_file():
+            return base / exp.profile
+    raise SimulateError(f"no profile file {exp.profile!r}; pass --profile")
+
+
+def measured(folder: Path) -> dict[tuple, dict]:
+    """(policy, value) -> the measured aggregate's metrics, where bench has run this experiment."""
+    path = folder / "aggregate.json"
+    if not path.is_file():
+        return {}
+    return {(a["policy"], a["value"]): a["metrics"] for a in json.loads(path.read_text())}
+
+
+def table(exp: Experiment, rows: list[dict], real: dict[tuple, dict]):
+    from rich.table import Table
+
+    t = Table(title=f"mvllm simulate: {exp.name} (predicted; measured where bench has run it)")
+    for col in ("policy", "setting", "batch completion s", "measured s", "error", "p95 TTFT ms", "measured ms",
+                "requests per backend"):
+        t.add_column(col, justify="left" if col in ("policy", "setting", "requests per backend") else "right")
+    for r in rows:
+        m = real.get((r["policy"], r["value"]))
+        mk = m["makespan"]["mean"] if m else None
+        t.add_row(r["policy"], "" if r["value"] is None else f"{r['knob']}={r['value']}", f"{r['makespan']:.2f}",
+                  f"{mk:.2f}" if mk else "-", f"{100 * (r['makespan'] / mk - 1):+.1f}%" if mk else "-",
+                  f"{r['p95_ttft_ms']:.0f}", f"{m['p95_ttft_ms']['mean']:.0f}" if m else "-",
+                  ", ".join(f"{k} {v}" for k, v in r["backend_requests"].items()))
+    return t
