@@ -1,0 +1,77 @@
+"""The reference experiment (shared/seed/BRIEF.md) predicted from its own published rates with `mvllm simulate`.
+
+The brief gives one aggregate rate per backend: prefill 73 / 2,551 tok/s and decode 45 / 293 tok/s (CPU / GPU
+on an Apple M2), at most 4 active. A decode rate measured with 4 running requests fixes the step time at batch
+4: step(4) = 4 / rate (GPU 13.7 ms, CPU 88.9 ms). What a step costs at batch 1-3 is not given. On a
+memory-bound decoder most of a step is reading the weights once, whatever the batch, so the step time grows
+slowly with the batch:
+
+    step(b) = step(4) * (f + (1 - f) * b / 4)
+
+f is the share of a batch-4 step that does not depend on the batch. The range shown runs from f = 1 (every
+batch costs the same: pure weight streaming) to f = 0.44 (a batch-1 step costs 0.58 of a batch-4 one). It
+brackets what this project measured on the H200 machine, where a batch-1 step cost 0.79 of a batch-4 one on
+the CPU (int8w) and 0.93 on the GPU. Run: `python experiments/m2_reference.py` (writes
+results/simulate/m2-reference.json).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mvllm.bench.experiment import load
+from mvllm.simulate import simulate
+
+BRIEF = {"gpu": {"prefill": 2551.0, "decode": 293.0}, "cpu": {"prefill": 73.0, "decode": 45.0}}
+REFERENCE = {"paper-8": {"gpu-only": 11.47, "mixed": 10.35, "cpu_requests": "0, 1, 6"},
+             "paper-48": {"gpu-only": 68.43, "mixed": 60.88, "cpu_requests": "6, 6, 6"}}
+SHARES = (1.0, 0.9, 0.8, 0.6, 0.44)
+
+
+def profile(share: float) -> dict:
+    backends = {}
+    for name, r in BRIEF.items():
+        step4 = 4 / r["decode"]
+        decode = [{"batch": b, "step_ms": 1000 * step4 * (share + (1 - share) * b / 4), "tok_s": 0.0}
+                  for b in range(1, 5)]
+        for d in decode:
+            d["tok_s"] = d["batch"] / d["step_ms"] * 1000
+        backends[name] = {"prefill_rate": r["prefill"], "decode_rate": r["decode"], "decode": decode,
+                          "prefill": [{"kind": "cold", "tokens": 516, "ms": 516 / r["prefill"] * 1000,
+                                       "tok_s": r["prefill"]}]}
+    return {"note": f"from BRIEF.md's aggregate rates, step(b) = step(4) * ({share} + {1 - share:.2f} * b / 4)",
+            "backends": backends}
+
+
+def main() -> int:
+    root = Path(__file__).resolve().parent
+    out = {"command": "python experiments/m2_reference.py", "model": "step(b) = step(4) * (f + (1 - f) * b / 4)",
+           "reference": REFERENCE, "predictions": []}
+    print("| f (batch-independent share) | step(1) GPU / CPU ms | paper-8 gpu-only / mixed (s) | mixed to CPU "
+          "| paper-48 gpu-only / mixed (s) | mixed to CPU |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for share in SHARES:
+        prof = profile(share)
+        row = {"share": share}
+        cells = []
+        for name in ("paper-8", "paper-48"):
+            exp = load(root / f"{name}.toml")
+            exp.backends = "gpu=mps,cpu=cpu"
+            runs = {r["policy"]: r for r in simulate(exp, prof, ["gpu-only", "mixed"], None)}
+            row[name] = {p: {"makespan": r["makespan"], "backend_requests": r["backend_requests"]}
+                         for p, r in runs.items()}
+            g, m = runs["gpu-only"]["makespan"], runs["mixed"]["makespan"]
+            cells += [f"{g:.2f} / {m:.2f} ({100 * (m / g - 1):+.1f}%)", str(runs["mixed"]["backend_requests"].get("cpu", 0))]
+        steps = " / ".join(f"{prof['backends'][b]['decode'][0]['step_ms']:.1f}" for b in ("gpu", "cpu"))
+        print(f"| {share} | {steps} | " + " | ".join(cells) + " |")
+        out["predictions"].append(row)
+    path = Path("results/simulate/m2-reference.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
