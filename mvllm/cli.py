@@ -180,6 +180,9 @@ def simulate(
     out: str = typer.Option(None, help="Where each policy's summary.json goes (default: "
                                        "results/<name>/simulated)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summaries as JSON on stdout."),
+    grid: bool = typer.Option(False, "--grid", help="Instead: sweep the CPU's relative speed and the load, and "
+                                                    "chart where mixed, eta and the best static split beat "
+                                                    "gpu-only (grid.json, grid.png)."),
 ):
     """Predict an experiment from a profile without running it: its workload through the real router and
     policies, each backend modelled by eta's timing model; measured results shown beside where they exist."""
@@ -195,6 +198,11 @@ def simulate(
     policies = [ex.check_policy(p.strip()) for p in policy.split(",") if p.strip()] if policy else exp.policies
     data = load_profile(find_profile(exp, profile))
     folder = Path(out) if out else Path("results") / exp.name / "simulated"
+    if grid:
+        from mvllm.simulate_grid import grid as map_grid
+
+        console.print(f"wrote {map_grid(exp, data, folder)} and grid.png", highlight=False)
+        return
     rows = run(exp, data, policies, folder)
     console.print(table(exp, rows, measured(Path("results") / exp.name)))
     console.print(f"wrote {len(rows)} summaries under {folder}", highlight=False)

@@ -71,3 +71,19 @@ def test_auto_profile_must_exist(tmp_path, monkeypatch):
         from mvllm.simulate import find_profile
 
         find_profile(load(ROOT / "experiments/paper-8.toml"), None)
+
+
+def test_grid_maps_where_the_cpu_pays(tmp_path):
+    from mvllm.simulate_grid import SPEEDS, faster_cpu, grid
+
+    profile = json.loads((ROOT / "results/paper-8/profile.json").read_text())
+    fast = faster_cpu(profile, 2.0)
+    assert fast["backends"]["cpu"]["decode"][0]["step_ms"] == profile["backends"]["cpu"]["decode"][0]["step_ms"] / 2
+    assert fast["backends"]["gpu"] == profile["backends"]["gpu"]
+    data = json.loads(grid(load(ROOT / "experiments/paper-8.toml"), profile, tmp_path).read_text())
+    assert (tmp_path / "grid.png").stat().st_size > 10_000
+    fastest = [c for c in data["cells"] if c["cpu_speed"] == max(SPEEDS)]
+    slowest = [c for c in data["cells"] if c["cpu_speed"] == min(SPEEDS)]
+    # eta sends more to a CPU 8x the profile's speed than to one at half of it; K = 0 is always a candidate
+    assert sum(c["eta"]["cpu_requests"] for c in fastest) >= sum(c["eta"]["cpu_requests"] for c in slowest)
+    assert all(c["best_split"]["makespan"] <= 0 for c in data["cells"])
