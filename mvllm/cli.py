@@ -145,7 +145,7 @@ def bench(
     experiment: str = typer.Argument(None, help="An experiment file (experiments/*.toml). Without one: the "
                                                 "reference workload on the default model and backends."),
     policy: str = typer.Option(None, help="Comma-separated policies to run instead of the experiment's: "
-                                          "mixed, eta, gpu-only, cpu-only, round-robin, split:K."),
+                                          "mixed, eta, makespan, gpu-only, cpu-only, round-robin, split:K."),
     runs: int = typer.Option(None, help="Runs per policy (default: the experiment's)."),
     out: str = typer.Option(None, help="Results folder (default: results/<experiment name>)."),
     url: str = typer.Option(None, help="Benchmark this external OpenAI-compatible server instead "

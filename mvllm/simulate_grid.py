@@ -1,7 +1,7 @@
 """`mvllm simulate --grid`: where the CPU pays. The experiment is simulated over a grid of the CPU's speed
-relative to the profile's, and of load (the interval between arrivals), for gpu-only, mixed, eta and every
-static split:K. Each cell gives the change of batch completion and p95 TTFT against gpu-only. Writes
-grid.json and grid.png.
+relative to the profile's, and of load (the interval between arrivals), for gpu-only, mixed, eta, makespan and every
+static split:K. Each cell gives the change of batch completion, p95 TTFT and p95 E2E against gpu-only.
+Writes grid.json and grid.png (batch completion and p95 TTFT).
 
 A CPU "k times as fast" has every decode step time divided by k and its prefill rate multiplied by k. The
 reference's M2 sits at k = (its CPU/GPU decode-rate ratio) / (the profile's), marked on the chart.
@@ -20,6 +20,7 @@ SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0)
 INTERVALS = (0.2, 0.1, 0.05, 0.025)
 SPLITS = range(1, 13)
 M2_RATIO = 45 / 293  # BRIEF.md: CPU / GPU decode tok/s
+POLICIES = ("mixed", "eta", "makespan")
 GAIN = 0.005  # a split must beat gpu-only's batch completion by this much to count as the best one
 
 
@@ -44,19 +45,20 @@ def m2_speed(profile: dict) -> float:
 
 
 def cell(exp: Experiment, profile: dict) -> dict:
-    rows = {r["policy"]: r for r in simulate(exp, profile, ["gpu-only", "mixed", "eta",
+    rows = {r["policy"]: r for r in simulate(exp, profile, ["gpu-only", *POLICIES,
                                                             *(f"split:{k}" for k in SPLITS)], None)}
     base = rows["gpu-only"]
 
     def change(r: dict) -> dict:
         return {"makespan": r["makespan"] / base["makespan"] - 1,
                 "p95_ttft": r["p95_ttft_ms"] / base["p95_ttft_ms"] - 1 if base["p95_ttft_ms"] else 0.0,
+                "p95_e2el": r["p95_e2el_ms"] / base["p95_e2el_ms"] - 1,
                 "cpu_requests": r["backend_requests"].get("cpu", 0)}
 
     best = min((r for p, r in rows.items() if p.startswith("split:")), key=lambda r: r["makespan"])
     best = best if best["makespan"] < base["makespan"] * (1 - GAIN) else base  # else K = 0: gpu-only
     return {"gpu_only_makespan": base["makespan"], "gpu_only_p95_ttft_ms": base["p95_ttft_ms"],
-            "mixed": change(rows["mixed"]), "eta": change(rows["eta"]),
+            **{p: change(rows[p]) for p in POLICIES},
             "best_split": dict(change(best), k=best["backend_requests"].get("cpu", 0))}
 
 
@@ -79,8 +81,8 @@ def draw(data: dict, path: Path) -> None:
     from mvllm.report.style import figure, save
 
     speeds, intervals = data["speeds"], data["intervals"]
-    fig, axes = figure(2, 3, width=15, height=8.5)
-    for col, policy in enumerate(("mixed", "eta", "best_split")):
+    fig, axes = figure(2, 4, width=20, height=9)
+    for col, policy in enumerate((*POLICIES, "best_split")):
         for row, metric in enumerate(("makespan", "p95_ttft")):
             ax = axes[row][col]
             grid = [[100 * next(c for c in data["cells"] if c["cpu_speed"] == k and c["interval"] == i)[policy][metric]
@@ -94,12 +96,13 @@ def draw(data: dict, path: Path) -> None:
             ax.set_xlabel("CPU speed, relative to the profile's")
             ax.set_ylabel("arrivals per second")
             name = "best static split" if policy == "best_split" else policy
-            ax.set_title(f"{name}: {'batch completion' if metric == 'makespan' else 'p95 TTFT'} vs gpu-only")
+            ax.set_title(f"{name} · {'batch completion' if metric == 'makespan' else 'p95 TTFT'}")
             m2 = data["m2_speed"]
             ax.axvline(_position(m2, speeds), color="k", ls="--", lw=1)
             ax.text(_position(m2, speeds), -0.45, " M2", fontsize=8, va="bottom")
             if 0.05 in intervals:
                 ax.plot(_position(1.0, speeds), intervals.index(0.05) + 0.32, "k*", ms=9)
+    fig.subplots_adjust(hspace=0.35, wspace=0.3)
     fig.colorbar(image, ax=axes, shrink=0.6, label="change against gpu-only (%; blue is better)")
     fig.suptitle(f"Where the CPU pays: {data['experiment']} simulated from its profile "
                  "(★ the measured H200 setting; dashed: the reference M2's CPU/GPU ratio)")

@@ -156,3 +156,29 @@ def test_eta_keeps_a_request_off_a_cpu_that_would_finish_it_later():
 def test_eta_needs_step_times():
     with pytest.raises(MvllmError, match="per-batch decode step times"):
         Router(["gpu", "cpu"], "eta", RATES)
+
+
+def test_makespan_policy_keeps_the_batch_end_earliest_where_eta_would_not():
+    from mvllm.routing.cost import Candidate
+    from mvllm.routing.policies import make_policy
+
+    gpu = Candidate("gpu", 0, 0, 1.0, 1.0, 0, eta=5.0, drain=5.0, idle_drain=4.9)
+    cpu = Candidate("cpu", 0, 0, 1.0, 1.0, 0, eta=4.0, drain=8.0, idle_drain=7.9)
+    cands = {"gpu": gpu, "cpu": cpu}
+    assert make_policy("eta", ["gpu", "cpu"]).choose(["gpu", "cpu"], cands) == "cpu"
+    assert make_policy("makespan", ["gpu", "cpu"]).choose(["gpu", "cpu"], cands) == "gpu"
+    gpu.drain = cpu.drain = 9.0  # the batch ends at 9 s either way: the request's own finish decides
+    assert make_policy("makespan", ["gpu", "cpu"]).choose(["gpu", "cpu"], cands) == "cpu"
+
+
+def test_drain_time_is_when_the_last_booked_request_ends():
+    from mvllm.routing.cost import Booking
+    from mvllm.routing.eta import Timing, drain_time, finish_time
+
+    timing = Timing(prefill_rate=1000.0, step_s=[0.01, 0.02])
+    booked = [Booking("a", 10, 0, 100, active=True), Booking("b", 10, 0, 10), Booking("c", 10, 0, 10)]
+    assert drain_time(timing, []) == 0.0
+    end = drain_time(timing, booked)
+    # prefill of a, then b; 10 steps of a+b; prefill of c; 10 steps of a+c; a alone for its last 80
+    assert end == pytest.approx(0.01 + 0.01 + 10 * 0.02 + 0.01 + 10 * 0.02 + 80 * 0.01)
+    assert finish_time(timing, booked, 10, 5) < drain_time(timing, booked, (10, 5))

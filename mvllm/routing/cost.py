@@ -46,6 +46,8 @@ class Candidate:
     decode_rate: float
     cached_prefix: int
     eta: float | None = None
+    drain: float | None = None  # makespan policy: this backend's queue drained, the new request included
+    idle_drain: float | None = None  # ... and without it
     score: float = field(init=False)
 
     def __post_init__(self):
@@ -55,7 +57,8 @@ class Candidate:
         return {"pending_prefill": self.pending_prefill, "pending_decode": self.pending_decode,
                 "prefill_rate": self.prefill_rate, "decode_rate": self.decode_rate,
                 "cached_prefix": self.cached_prefix, "score": round(self.score, 6),
-                **({"eta": round(self.eta, 6)} if self.eta is not None else {})}
+                **({"eta": round(self.eta, 6)} if self.eta is not None else {}),
+                **({"drain": round(self.drain, 6)} if self.drain is not None else {})}
 
 
 def candidate(backend: str, bookings: list[Booking], prompt_tokens: int, cached_prefix: int, max_tokens: int,

@@ -37,9 +37,22 @@ class Timing:
 
 def finish_time(timing: Timing, bookings: list[Booking], new_prefill: int, new_decode: int) -> float:
     """Seconds from now until the new request would finish if it were queued behind `bookings`."""
+    return replay(timing, bookings, (new_prefill, new_decode))
+
+
+def drain_time(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None = None) -> float:
+    """Seconds from now until every booked request (and `new`, (prefill, decode), if given) has finished."""
+    return replay(timing, bookings, new, until_all=True)
+
+
+def replay(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None, until_all: bool = False) -> float:
+    """The FCFS replay both share: the time the new request finishes, or with until_all the last one."""
     running = [[b.pending_decode, False] for b in bookings if b.active]
     queue = [(b.pending_prefill, b.pending_decode, False) for b in bookings if not b.active]
-    queue.append((new_prefill, new_decode, True))
+    if new is not None:
+        queue.append((*new, True))
+    if not running and not queue:
+        return 0.0
     t = sum(b.pending_prefill for b in bookings if b.active) / timing.prefill_rate
     top, head = timing.max_active, 0
     while True:
@@ -53,6 +66,8 @@ def finish_time(timing: Timing, bookings: list[Booking], new_prefill: int, new_d
         t += k * step
         for r in running:
             r[0] -= k
-        if any(is_new for left, is_new in running if left <= 0):
+        if not until_all and any(is_new for left, is_new in running if left <= 0):
             return t
         running = [r for r in running if r[0] > 0]
+        if until_all and not running and head == len(queue):
+            return t

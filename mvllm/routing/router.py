@@ -10,7 +10,7 @@ from typing import IO
 
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.routing.cost import Booking, Candidate, candidate
-from mvllm.routing.eta import Timing, finish_time
+from mvllm.routing.eta import Timing, drain_time, finish_time
 from mvllm.routing.policies import make_policy
 
 
@@ -38,10 +38,10 @@ class Router:
             if missing:
                 raise InvalidRequestError(f"policy {text} needs prefill_rate and decode_rate for backend(s) "
                                           f"{', '.join(missing)}: pass --profile (made by `mvllm profile`)", "policy")
-        if policy.name == "eta":
+        if policy.name in ("eta", "makespan"):
             missing = [b for b in self.backends if not self.timings.get(b)]
             if missing:
-                raise InvalidRequestError(f"policy eta needs per-batch decode step times for backend(s) "
+                raise InvalidRequestError(f"policy {policy.name} needs per-batch decode step times for backend(s) "
                                           f"{', '.join(missing)}: pass a --profile made by `mvllm profile`", "policy")
         self.policy = policy
 
@@ -56,8 +56,12 @@ class Router:
                 booked = list(self.bookings[b].values())
                 c = candidate(b, booked, prompt_tokens, cached.get(b, 0), max_tokens, float(r["prefill_rate"]),
                               float(r["decode_rate"]))
-                if self.timings.get(b) and (self.policy.name == "eta" or self.log):
-                    c.eta = finish_time(self.timings[b], booked, prompt_tokens - cached.get(b, 0), max_tokens)
+                timing = self.timings.get(b)
+                if timing and (self.policy.name in ("eta", "makespan") or self.log):
+                    c.eta = finish_time(timing, booked, prompt_tokens - cached.get(b, 0), max_tokens)
+                if timing and self.policy.name == "makespan":
+                    c.drain = drain_time(timing, booked, (prompt_tokens - cached.get(b, 0), max_tokens))
+                    c.idle_drain = drain_time(timing, booked)
                 out[b] = c
         return out
 
