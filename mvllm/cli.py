@@ -113,7 +113,7 @@ def serve(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
                                             "gpu=cuda,cpu=cpu/threads=8 (default: a GPU if present, and the CPU)."),
-    policy: str = typer.Option(None, help="mixed (the brief's cost score), eta (predicted finish time), "
+    policy: str = typer.Option(None, help="mixed (the brief's cost score), eta (predicted finish time), makespan, "
                                            "gpu-only, cpu-only, round-robin or split:K (default: eta with "
                                            "--profile, else gpu-only)."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
