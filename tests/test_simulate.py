@@ -87,3 +87,14 @@ def test_grid_maps_where_the_cpu_pays(tmp_path):
     # eta sends more to a CPU 8x the profile's speed than to one at half of it; K = 0 is always a candidate
     assert sum(c["eta"]["cpu_requests"] for c in fastest) >= sum(c["eta"]["cpu_requests"] for c in slowest)
     assert all(c["best_split"]["makespan"] <= 0 for c in data["cells"])
+
+
+def test_report_draws_the_committed_predictions_beside_the_runs():
+    from mvllm.report.charts import _predicted
+    from mvllm.report.load import load as load_results
+
+    res = load_results(ROOT / "results/paper-48")
+    predicted = _predicted(res)
+    assert set(predicted) == {(p, None) for p in res.policies}
+    fresh = {r["policy"]: r["makespan"] for r in predicted_vs_measured("paper-48") for r in [r[0]]}
+    assert all(predicted[p, None] == pytest.approx(fresh[p]) for p in fresh)

@@ -7,10 +7,11 @@ import random
 
 import numpy as np
 
-from mvllm.bench.results import BASELINE
+from mvllm.bench.results import BASELINE, runs_in
 from mvllm.report.load import Results
 from mvllm.report.style import figure, policy_color, save, title
 
+PREDICTED = "predicted (mvllm simulate)"
 SWEEP_METRICS = (  # (summary key, axis label, scale)
     ("makespan", "batch completion time (s)", 1.0),
     ("output_throughput", "output throughput (tokens/s)", 1.0),
@@ -40,11 +41,17 @@ def makespan(res: Results, path) -> None:
     ax = axes[0][0]
     width = 0.8 / len(pols)
     top = 0.0
+    predicted, marked = _predicted(res), False
     for j, p in enumerate(pols):
         for i, v in enumerate(vals):
             xs = [r.summary["makespan"] for r in res.select(p, v)]
             if not xs:
                 continue
+            if (p, v) in predicted:
+                ax.scatter([(i if res.knob else 0) + (j - (len(pols) - 1) / 2) * width], [predicted[p, v]],
+                           marker="D", s=46, facecolor="none", edgecolor="black", linewidth=1.3, zorder=4,
+                           label=None if marked else PREDICTED)
+                marked, top = True, max(top, predicted[p, v])
             x = (i if res.knob else 0) + (j - (len(pols) - 1) / 2) * width
             mean = float(np.mean(xs))
             top = max(top, mean, *xs)
@@ -66,7 +73,7 @@ def makespan(res: Results, path) -> None:
     ax.set_ylabel("batch completion time (s)")
     ax.grid(axis="y", alpha=0.3, zorder=0)
     handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda k: labels[k] == "one run")
+    order = sorted(range(len(labels)), key=lambda k: labels[k] in ("one run", PREDICTED))
     ax.legend([handles[k] for k in order], [labels[k] for k in order], frameon=False, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     n = sorted({len(res.select(p, v)) for p in pols for v in vals})
@@ -74,6 +81,12 @@ def makespan(res: Results, path) -> None:
     ax.set_title(title(res, f"Batch completion time: mean (bars) and each run (dots), {runs} per policy"),
                  loc="left")
     save(fig, path)
+
+
+def _predicted(res: Results) -> dict[tuple, float]:
+    """(policy, value) -> the makespan `mvllm simulate` predicted, where it wrote results/<name>/simulated."""
+    folder = res.folder / "simulated"
+    return {(s["policy"], s.get("value")): s["makespan"] for s in runs_in(folder)} if folder.is_dir() else {}
 
 
 def _ecdf(ax, values: list[float], color: str, label: str) -> None:
