@@ -96,5 +96,5 @@ def test_report_draws_the_committed_predictions_beside_the_runs():
     res = load_results(ROOT / "results/paper-48")
     predicted = _predicted(res)
     assert set(predicted) == {(p, None) for p in res.policies}
-    fresh = {r["policy"]: r["makespan"] for r in predicted_vs_measured("paper-48") for r in [r[0]]}
+    fresh = {sim["policy"]: sim["makespan"] for sim, _ in predicted_vs_measured("paper-48")}
     assert all(predicted[p, None] == pytest.approx(fresh[p]) for p in fresh)
