@@ -73,8 +73,9 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     engine = Engine(config)
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
-           "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(), "max_active": spec.max_active,
-           "graphs": bool(engine.runner.graphs), "fused": engine.runner.fused, "prefill": [], "decode": []}
+           "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(),
+           "max_active": spec.max_active, "graphs": bool(engine.runner.graphs), "fused": engine.runner.fused,
+           "prefill": [], "decode": []}
 
     def first_token(prompt: list[int]) -> tuple[float, int]:
         seq = engine.add_request(prompt, _greedy(1))
@@ -160,10 +161,10 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
                 accuracy: bool = True) -> dict:
     """accuracy: measure each backend against the float32 model on the evaluation text (real weights only)."""
     progress = progress or (lambda _: None)
-    reference = None
-    if accuracy and not resolve(model).synthetic:
+    reference, source = None, resolve(model)
+    if accuracy and not source.synthetic:
         progress("accuracy: the float32 reference over the evaluation text")
-        reference = Reference(resolve(model))
+        reference = Reference(source)
     default_threads = torch.get_num_threads()
     profile = {"model": model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "environment": environment(model), "backends": {}}

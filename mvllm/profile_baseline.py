@@ -1,8 +1,8 @@
 """The peer that speed targets are judged against: plain transformers `generate` on the same model (same
 weights), device and dtype; int8-lossy CPU backends get torch's dynamic int8 Linear on the transformers
 model, int8w ones (float32 activations) plain float32.
-No mvllm code runs in the timed path. Backends in another dtype get float32 timed as well, since transformers' bf16 decode
-loop can be slower than its float32 one."""
+No mvllm code runs in the timed path. Backends in another dtype get float32 timed as well, since
+transformers' bf16 decode loop can be slower than its float32 one."""
 
 from __future__ import annotations
 

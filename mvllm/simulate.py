@@ -24,6 +24,7 @@ from mvllm.backends import default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.metrics import RequestRecord, summarize
+from mvllm.engine.block_manager import chain_hash
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
 from mvllm.routing.router import Router
@@ -34,6 +35,15 @@ BLOCK = 16
 
 class SimulateError(MvllmError):
     pass
+
+
+def block_hashes(tokens: list[int]) -> list[int]:
+    """The engine's hash chain over the full blocks of `tokens` (engine/block_manager.py)."""
+    out, h = [], None
+    for i in range(len(tokens) // BLOCK):
+        h = chain_hash(h, tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
+        out.append(h)
+    return out
 
 
 @dataclass(slots=True)
@@ -56,19 +66,16 @@ class Backend:
     busy: bool = False
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
-        n, h = 0, None
-        for i in range(len(tokens) // BLOCK):
-            h = hash((h, tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
+        n = 0
+        for h in block_hashes(tokens):
             if h not in self.blocks:
                 break
             n += BLOCK
         return n
 
     def cache(self, tokens: list[int]) -> None:
-        h = None
-        for i in range(len(tokens) // BLOCK):
-            h = hash((h, tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
-            self.blocks.add(h)
+        self.blocks.update(block_hashes(tokens))
+
 
     def start_step(self, router: Router) -> float:
         """Admit what fits, return the step's duration; the caller ends it with `end_step`."""

@@ -1,7 +1,8 @@
 """Soak: 1,000 streaming requests, 200 at a time, every third cut by its client mid-stream, against a fresh
 `mvllm serve` on a tiny model. Checks every completed stream's tokens against the same prompt served alone,
-that every backend's KV blocks are all free again, and the server's RSS growth. Run: `make soak`.
-Writes results/soak/soak.json (with the machine and the command)."""
+that every backend's KV blocks are all free again, and the server's RSS growth. Run: `make soak`, or
+`python tests/soak.py BACKENDS NAME` for other backends. Writes results/soak/soak.json (soak-int8w.json etc. for
+other backends), with the machine and the command."""
 
 from __future__ import annotations
 
@@ -82,11 +83,11 @@ def free_pools(url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
-def main() -> int:
+def main(backends: str = BACKENDS, name: str = "soak") -> int:
     out = Path("results/soak")
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(["--model", MODEL, "--backends", BACKENDS,
+        server = ServerProcess(["--model", MODEL, "--backends", backends,
                                 "--policy", "round-robin", "--max-active", "16"], Path(tmp) / "server.log").start()
         try:
             server.wait_ready(180)
@@ -102,14 +103,18 @@ def main() -> int:
             server.stop()
     growth = result["server_rss_mb_after"] - result["server_rss_mb_before"]
     result.update(server_rss_growth_mb=round(growth, 1), model=MODEL, cpu=cpu_name(), python=platform.python_version(),
-                  git_commit=git_commit(), backends=BACKENDS, command="make soak (python tests/soak.py)")
+                  git_commit=git_commit(), backends=backends,
+                  command="make soak (python tests/soak.py)" if backends == BACKENDS else
+                  f"python tests/soak.py {backends} {name.removeprefix('soak-')}")
     ok = (result["failed"] == 0 and result["wrong_tokens"] == 0 and result["pools_after"] == result["pools_before"]
           and result["completed"] == REQUESTS - REQUESTS // 3 and growth < RSS_LIMIT_MB and result["health"] == 200)
     result["passed"] = ok
-    (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        sys.exit(main(sys.argv[1], f"soak-{sys.argv[2] if len(sys.argv) > 2 else 'other'}"))
     sys.exit(main())

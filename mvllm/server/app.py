@@ -121,6 +121,8 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
     @app.get("/health")
     async def health():
         states = {n: {"alive": b.alive, "restarts": cluster.restarts[n]} for n, b in cluster.backends.items()}
+        for n, why in cluster.restart_error.items():
+            states[n]["restart_error"] = why
         if not cluster.healthy():
             down = [n for n, b in cluster.backends.items() if not b.alive]
             return JSONResponse({"status": "degraded", "down": down, "backends": states}, status_code=503)

@@ -46,6 +46,7 @@ class Cluster:
         self.snapshots: dict[str, dict] = {}
         self.metrics = Metrics(list(self.backends))
         self.restarts = {name: 0 for name in self.backends}
+        self.restart_error: dict[str, str] = {}
         self.warmed: list[list[int]] = []
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +132,8 @@ class Cluster:
 
         try:
             backend = await asyncio.get_running_loop().run_in_executor(None, spawn)
-        except MvllmError:
+        except MvllmError as e:
+            self.restart_error[name] = str(e)  # shown by /health; the backend stays down
             return
         if self.draining:
             backend.shutdown()
@@ -139,8 +141,13 @@ class Cluster:
         self.backends[name] = backend
         self.snapshots[name] = backend.info
         backend.listen(self.loop, self._on_event)
-        for ids in self.warmed:
-            await self.warm(ids, backend=name)
+        try:
+            for ids in self.warmed:
+                await self.warm(ids, backend=name)
+        except (MvllmError, asyncio.TimeoutError) as e:  # it died again while warming: its "dead" event follows
+            self.restart_error[name] = str(e)
+            return
+        self.restart_error.pop(name, None)
         self.restarts[name] += 1
         self.metrics.restarts.labels(name).inc()
         self.metrics.backend_up.labels(name).set(1)
@@ -162,14 +169,14 @@ class Cluster:
         """Route and submit one request; returns (request id, backend name)."""
         if self.draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
-        rid = f"{prefix}-{uuid.uuid4().hex[:16]}"
+        rid, arrival = f"{prefix}-{uuid.uuid4().hex[:16]}", arrival or time.time()
         cached = await self.cached_prefix(token_ids)
         name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
         self.streams[rid] = asyncio.Queue()
         self.owner[rid] = name
-        self.unstarted[rid] = (token_ids, params, arrival or time.time())
+        self.unstarted[rid] = (token_ids, params, arrival)
         self.metrics.routed.labels(name).inc()
-        self.backends[name].submit(rid, token_ids, params, arrival or time.time())
+        self.backends[name].submit(rid, token_ids, params, arrival)
         return rid, name
 
     async def events(self, rid: str) -> AsyncIterator[Event]:
@@ -224,9 +231,10 @@ class Cluster:
         return {b.name: n for b, n in zip(targets, done)}
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
-        self.warmed = []
         alive = [b for b in self.backends.values() if b.alive]
         done = await asyncio.gather(*(b.call("reset_prefix_cache", timeout=60) for b in alive))
+        if all(done):  # a backend refuses while requests are in flight, and keeps its cache
+            self.warmed = []
         return {b.name: ok for b, ok in zip(alive, done)}
 
     async def snapshot_all(self) -> list[dict]:
