@@ -57,11 +57,12 @@ def available() -> bool:
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """x float32 [..., in] -> float32 [..., out] = x @ dequantize(q, scales).T (+ bias).
     Bad inputs raise ValueError here, before the C++ op (whose own checks crashed the process instead of
-    raising on one machine: torch 2.11 with the extension built by g++ 13)."""
-    if x.dtype != torch.float32 or x.shape[-1] != q.shape[1]:
+    raising on one machine: torch 2.11 with the extension built by g++ 13). check=False: the caller's
+    inputs are valid by construction (quant.Int8Linear, on the decode path)."""
+    if check and (x.dtype != torch.float32 or x.shape[-1] != q.shape[1]):
         raise ValueError(f"int8_linear takes float32 inputs of {q.shape[1]} features, got {x.dtype} "
                          f"with {x.shape[-1]} inputs")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
