@@ -95,7 +95,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
         ms = _median_ms(times)
         out["prefill"].append({"kind": "cold", "tokens": n, "cached": 0, "ms": ms, "tok_s": n / ms * 1000})
     progress(f"{spec.name}: warm prefill, {WARM_NEW} new after {WARM_CACHED} cached")
-    prefix = tokens(WARM_CACHED)
+    prefix = warm_prefix = tokens(WARM_CACHED)
     engine.warm(prefix)
     runs = [first_token(prefix + tokens(WARM_NEW)) for _ in range(repeats)]
     ms = _median_ms([t for t, _ in runs])
@@ -117,12 +117,45 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
         ctx = (DECODE_PREFIX + DECODE_NEW) + (steps + 1) // 2
         out["decode"].append({"batch": b, "context": ctx, "step_ms": ms, "tok_s": b / ms * 1000,
                               "cached": min(s.num_cached_tokens for s in seqs)})
+    if spec.max_active > 1:
+        half = REFERENCE_LEN // 2 // block_size * block_size  # half of the prompt cached: past CUDA graphs' size
+        prompts = {"warm": lambda: warm_prefix + tokens(WARM_NEW)}
+        if REFERENCE_LEN + 1 < engine.max_model_len:
+            prompts["half"] = lambda: warm_prefix[:half] + tokens(REFERENCE_LEN - half)
+            prompts["cold"] = lambda: tokens(REFERENCE_LEN)
+        out["mixed"] = mixed_steps(engine, spec.max_active, lambda: prefix + tokens(DECODE_NEW), repeats, prompts,
+                                   progress, spec.name)
     out.update(choose_rates(out))
     if reference is not None:
         progress(f"{spec.name}: accuracy against float32 on {len(reference.ids)} tokens")
         out["accuracy"] = reference.measure(engine.model, engine.device, engine.dtype, engine.runner.fused)
     elif engine.source.synthetic:
         out["accuracy"] = {"note": SYNTHETIC_NOTE}
+    return out
+
+
+def mixed_steps(engine: Engine, batch: int, decoding: Callable[[], list[int]], repeats: int,
+                prompts: dict[str, Callable[[], list[int]]], progress: Progress, name: str) -> list[dict]:
+    """The step that admits one prompt while batch - 1 requests decode, as serving runs it (the simulator and
+    eta price a prompt's admission by it: a mixed step can cost more than a lone prefill plus a decode step)."""
+    out = []
+    for kind, prompt in prompts.items():
+        progress(f"{name}: {kind} prefill beside {batch - 1} decoding")
+        times, uncached = [], []
+        for _ in range(repeats):
+            for _ in range(batch - 1):
+                engine.add_request(decoding(), _greedy(4))
+            engine.step()
+            ids = prompt()
+            seq = engine.add_request(ids, _greedy(1))
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+            uncached.append(len(ids) - seq.num_cached_tokens)
+            while engine.has_unfinished():
+                engine.step()
+        out.append({"kind": kind, "tokens": min(uncached), "cached": len(ids) - min(uncached), "batch": batch,
+                    "ms": _median_ms(times)})
     return out
 
 

@@ -79,15 +79,15 @@ class Backend:
 
     def start_step(self, router: Router) -> float:
         """Admit what fits, return the step's duration; the caller ends it with `end_step`."""
-        prefill = 0
+        prefill = 0.0
         while self.waiting and len(self.running) < self.timing.max_active:
             job = self.waiting.popleft()
             job.cached = min(self.cached_prefix_len(job.prompt), len(job.prompt) - 1)
-            prefill += len(job.prompt) - job.cached
+            prefill += self.timing.prefill_s(len(job.prompt) - job.cached)
             router.on_scheduled(self.name, job.rid, job.cached)
             self.running.append(job)
         self.busy = True
-        return self.timing.step_s[len(self.running) - 1] + prefill / self.timing.prefill_rate
+        return self.timing.step_s[len(self.running) - 1] + prefill
 
     def end_step(self, now: float, router: Router) -> None:
         for job in list(self.running):
@@ -115,7 +115,8 @@ def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
     return out
 
 
-def run_one(exp: Experiment, policy: str, profile: dict, vocab: int) -> dict:
+def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list | None = None) -> dict:
+    """One simulated run; `keep`, if given, receives the per-request records."""
     text = default_backends() if exp.backends == "default" else exp.backends
     specs = parse_backends(text, exp.max_active, check_devices=False)
     rates = rates_as_served(profile, specs)
@@ -138,7 +139,15 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int) -> dict:
             name = router.route(rid, len(what.prompt), what.output_tokens, cached)
             rec.backend = name
             backend = backends[name]
-            backend.waiting.append(Job(rec, what.prompt, what.output_tokens, rid))
+            job = Job(rec, what.prompt, what.output_tokens, rid)
+            if backend.timing.request_s > 0:  # on its way to the worker: HTTP, routing, the pipe
+                seq += 1
+                heapq.heappush(events, (now + backend.timing.request_s, seq, "enqueue", (backend, job)))
+                continue
+            backend.waiting.append(job)
+        elif kind == "enqueue":
+            backend, job = what
+            backend.waiting.append(job)
         else:
             backend = what
             backend.end_step(now, router)
@@ -146,6 +155,8 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int) -> dict:
             seq += 1
             heapq.heappush(events, (now + backend.start_step(router), seq, "step", backend))
     router.close()
+    if keep is not None:
+        keep.extend(records)
     return summarize(records)
 
 

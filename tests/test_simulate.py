@@ -4,7 +4,6 @@ split:K placements exact, bench's summary keys, and bad input in one line."""
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -36,15 +35,36 @@ def test_splits_place_exactly_and_summaries_have_benchs_keys():
             assert sim["backend_requests"] == {"cpu": k, "gpu": 48 - k}
 
 
-def test_the_committed_bursts_are_predicted_within_ten_percent():
-    """Median over every policy of paper-8, paper-48, gpu-serial and the GPU concurrency sweep: the model
-    is optimistic by about 5% (serving adds host time per step that the profile does not see)."""
-    errors = [sim["makespan"] / real["makespan"]["mean"] - 1
-              for name in ("paper-8", "paper-48", "gpu-serial", "sweep-concurrency")
-              for sim, real in predicted_vs_measured(name)]
-    assert len(errors) >= 25
-    assert abs(statistics.median(errors)) < 0.10, errors
-    assert max(abs(e) for e in errors) < 0.25, errors
+def test_every_committed_run_is_predicted_within_the_bars():
+    """Issue 13, part 2, recomputed from the committed files: every experiment from its own profile plus the
+    serving overheads measured once from paper-48's runs (results/simulate/serving.json). Over all 43 cells the
+    median makespan error is within 5% and the median p95 TTFT error within 15%. Every cell outside the
+    hit-rate sweep is within 15%; that sweep misses (its profile predates the `mixed` admission steps), and
+    priced by the mixed steps its own runs served, its gpu-only and eta cells come within 5%."""
+    from mvllm.simulate_proof import hit_rate_check, prove, serving
+
+    block = serving(ROOT)
+    committed = json.loads((ROOT / "results/simulate/serving.json").read_text())
+    for name, b in block["backends"].items():
+        assert (b["step_ms"], b["request_ms"]) == pytest.approx((committed["backends"][name]["step_ms"],
+                                                                 committed["backends"][name]["request_ms"]))
+    gpu = block["backends"]["gpu"]
+    assert 0 < gpu["step_ms"] < 0.5 and 3 < gpu["request_ms"] < 10  # served TPOT 2.5 ms against 2.38 profiled
+    data = prove(ROOT, block)
+    assert data["all"]["cells_n"] == 43
+    assert abs(data["all"]["median_makespan_error"]) < 0.05
+    assert abs(data["all"]["median_p95_ttft_error"]) < 0.15
+    for name, e in data["experiments"].items():
+        for c in e["cells"]:
+            error = c["makespan"] / c["measured_makespan"] - 1
+            assert name == "sweep-hit-rate" or abs(error) < 0.15, (name, c)
+            if c["policy"].startswith("split:") or c["policy"] == "gpu-only":
+                assert all(m == c["backend_requests"] for m in c["measured_backend_requests"]), (name, c)
+    check = hit_rate_check(ROOT, block)
+    assert all(abs(c["makespan"] / c["measured_makespan"] - 1) < 0.05 for c in check["cells"]
+               if c["policy"] in ("gpu-only", "eta")), check["cells"]
+    saved = json.loads((ROOT / "results/simulate/vs-measured.json").read_text())
+    assert saved["all"] == pytest.approx(data["all"])
 
 
 def test_cli_writes_summaries_and_fails_in_one_line(tmp_path):
@@ -96,5 +116,8 @@ def test_report_draws_the_committed_predictions_beside_the_runs():
     res = load_results(ROOT / "results/paper-48")
     predicted = _predicted(res)
     assert set(predicted) == {(p, None) for p in res.policies}
-    fresh = {sim["policy"]: sim["makespan"] for sim, _ in predicted_vs_measured("paper-48")}
+    from mvllm.simulate_proof import prove
+
+    block = json.loads((ROOT / "results/simulate/serving.json").read_text())
+    fresh = {c["policy"]: c["makespan"] for c in prove(ROOT, block, ["paper-48"])["experiments"]["paper-48"]["cells"]}
     assert all(predicted[p, None] == pytest.approx(fresh[p]) for p in fresh)

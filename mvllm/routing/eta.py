@@ -4,11 +4,21 @@ The brief's score divides all pending decode tokens by one aggregate rate, so it
 an idle CPU at the CPU's full-batch throughput, though that request decodes at the batch-1 speed. This model
 replays the backend's FCFS queue instead: at most max_active requests run, each decode step costs the
 profiled step time at the current batch size, and a request starts decoding after its uncached prefill.
+
+This is the one timing model of a backend; `mvllm simulate` steps it through time. What it prices, and from
+which measurement of the profile entry:
+- a decode step at batch b: `decode[b].step_ms`, plus `serving.step_ms` (host work per step while serving:
+  the worker's events, the other backend's load on the host's cores);
+- the prefill of a request admitted into a step: the extra time over a decode step that `mixed` measures
+  (a step admitting one prompt while max_active - 1 decode), else that the lone `prefill` steps measure (warm
+  and cold, interpolated by uncached tokens), else uncached tokens / `prefill_rate` (a hand-written profile);
+- `serving.request_ms`: the time a request spends outside the backend (HTTP, routing, the pipes, the first
+  chunk back); it delays admission and every token, but occupies nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mvllm.routing.cost import Booking
 
@@ -16,7 +26,9 @@ from mvllm.routing.cost import Booking
 @dataclass(slots=True)
 class Timing:
     prefill_rate: float
-    step_s: list[float]  # step_s[b - 1]: seconds per decode step with b running requests
+    step_s: list[float]  # step_s[b - 1]: seconds per decode step with b running requests, host work included
+    prefill_points: list[tuple[int, float]] = field(default_factory=list)  # (uncached tokens, extra seconds)
+    request_s: float = 0.0
 
     @classmethod
     def from_profile(cls, entry: dict) -> Timing | None:
@@ -28,21 +40,47 @@ class Timing:
         steps = [table.get(b) for b in range(1, top + 1)]
         for i, s in enumerate(steps):  # fill unmeasured batch sizes from the nearest smaller one
             steps[i] = s if s is not None else steps[i - 1]
-        return cls(float(entry["prefill_rate"]), steps)
+        serving = entry.get("serving") or {}
+        host = float(serving.get("step_ms", 0.0)) / 1000
+        return cls(float(entry["prefill_rate"]), [s + host for s in steps], prefill_points(entry, table),
+                   float(serving.get("request_ms", 0.0)) / 1000)
 
     @property
     def max_active(self) -> int:
         return len(self.step_s)
 
+    def prefill_s(self, tokens: int) -> float:
+        """Extra seconds a step takes for admitting a prompt with `tokens` uncached tokens."""
+        if tokens <= 0:
+            return 0.0
+        pts = self.prefill_points
+        if len(pts) < 2:
+            return tokens / self.prefill_rate
+        i = next((i for i in range(1, len(pts) - 1) if tokens < pts[i][0]), len(pts) - 1)
+        (n0, s0), (n1, s1) = pts[i - 1], pts[i]  # the segment holding `tokens`, or the nearest one's line
+        return max(s0 + (s1 - s0) * (tokens - n0) / (n1 - n0), 0.0)
+
+
+def prefill_points(entry: dict, steps: dict[int, float]) -> list[tuple[int, float]]:
+    """(uncached tokens, seconds over a decode step) for each measured admission: the profile's `mixed`
+    steps (new profiles) over the decode step of the same batch, else its lone prefill steps over batch 1."""
+    mixed = [(m["tokens"], m["ms"] / 1000 - steps.get(m["batch"], steps[max(steps)]))
+             for m in entry.get("mixed", []) if m.get("batch") in steps]
+    lone = [(p["tokens"], p["ms"] / 1000 - steps[min(steps)]) for p in entry.get("prefill", []) if "ms" in p]
+    points = {}
+    for n, s in mixed or lone:
+        points.setdefault(n, []).append(s)
+    return sorted((n, sum(v) / len(v)) for n, v in points.items())
+
 
 def finish_time(timing: Timing, bookings: list[Booking], new_prefill: int, new_decode: int) -> float:
     """Seconds from now until the new request would finish if it were queued behind `bookings`."""
-    return replay(timing, bookings, (new_prefill, new_decode))
+    return timing.request_s + replay(timing, bookings, (new_prefill, new_decode))
 
 
 def drain_time(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None = None) -> float:
     """Seconds from now until every booked request (and `new`, (prefill, decode), if given) has finished."""
-    return replay(timing, bookings, new, until_all=True)
+    return (timing.request_s if new else 0.0) + replay(timing, bookings, new, until_all=True)
 
 
 def replay(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None, until_all: bool = False) -> float:
@@ -53,13 +91,13 @@ def replay(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None,
         queue.append((*new, True))
     if not running and not queue:
         return 0.0
-    t = sum(b.pending_prefill for b in bookings if b.active) / timing.prefill_rate
+    t = sum(timing.prefill_s(b.pending_prefill) for b in bookings if b.active)
     top, head = timing.max_active, 0
     while True:
         while head < len(queue) and len(running) < top:
             prefill, decode, is_new = queue[head]
             head += 1
-            t += prefill / timing.prefill_rate
+            t += timing.prefill_s(prefill)
             running.append([decode, is_new])
         step = timing.step_s[min(len(running), top) - 1]
         k = min(r[0] for r in running)

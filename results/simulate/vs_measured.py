@@ -1,0 +1,45 @@
+"""Regenerates results/simulate/serving.json and results/simulate/vs-measured.json (issue 13, part 2):
+
+    .venv/bin/python results/simulate/vs_measured.py
+
+serving.json: the serving overheads (request_ms, step_ms per backend) measured from paper-48's runs.
+vs-measured.json: every committed H200 experiment simulated from its own profile plus those overheads,
+each cell beside the measured mean; and the hit-rate check (the gpu's admission priced by served mixed steps).
+results/{paper-8,paper-48}/simulated/*/summary.json: the predictions `mvllm report` draws (redraw with
+`mvllm report results/paper-8` and `results/paper-48`).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from mvllm.bench.experiment import load  # noqa: E402
+from mvllm.simulate import simulate  # noqa: E402
+from mvllm.simulate_proof import hit_rate_check, prove, serving, with_serving  # noqa: E402
+
+
+def main() -> None:
+    out = ROOT / "results" / "simulate"
+    block = serving(ROOT)
+    (out / "serving.json").write_text(json.dumps(block, indent=2) + "\n")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    data = {"command": ".venv/bin/python results/simulate/vs_measured.py", "git_commit": commit,
+            "serving": "results/simulate/serving.json", **prove(ROOT, block),
+            "hit_rate_check": hit_rate_check(ROOT, block)}
+    (out / "vs-measured.json").write_text(json.dumps(data, indent=2) + "\n")
+    for name in ("paper-8", "paper-48"):  # the predictions `mvllm report` draws beside the measured bars
+        exp = load(ROOT / "experiments" / f"{name}.toml")
+        profile = with_serving(json.loads((ROOT / "results" / name / "profile.json").read_text()), block)
+        simulate(exp, profile, exp.policies, ROOT / "results" / name / "simulated")
+    print(f"{'experiment':18} cells  makespan median  worst    p95 TTFT median")
+    for name, e in {**data["experiments"], "all": data["all"], "hit-rate check": data["hit_rate_check"]}.items():
+        print(f"{name:18} {e['cells_n']:5}  {100 * e['median_makespan_error']:+14.1f}%  "
+              f"{100 * e['worst_makespan_error']:+6.1f}%  {100 * e['median_p95_ttft_error']:+14.1f}%")
+
+
+if __name__ == "__main__":
+    main()
