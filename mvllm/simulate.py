@@ -115,13 +115,15 @@ def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
     return out
 
 
-def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list | None = None) -> dict:
-    """One simulated run; `keep`, if given, receives the per-request records."""
+def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list | None = None,
+            believed: dict | None = None) -> dict:
+    """One simulated run; `keep`, if given, receives the per-request records. `believed`: the profile the
+    router decides by, where it differs from the one the backends run by (the model's error)."""
     text = default_backends() if exp.backends == "default" else exp.backends
     specs = parse_backends(text, exp.max_active, check_devices=False)
     rates = rates_as_served(profile, specs)
     backends = {name: Backend(name, t) for name, t in timings(rates, [s.name for s in specs]).items()}
-    router = Router(list(backends), policy, rates)
+    router = Router(list(backends), policy, rates_as_served(believed, specs) if believed else rates)
     prefix, requests = wl.build(exp.workload, vocab)
     if exp.workload.warm and prefix:
         for b in backends.values():
@@ -160,7 +162,8 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     return summarize(records)
 
 
-def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None) -> list[dict]:
+def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None,
+             believed: dict | None = None) -> list[dict]:
     """One summary per (setting, policy), in the order bench runs them."""
     if exp.workload.arrival not in ("fixed", "poisson", "gamma"):
         raise SimulateError(f"arrival {exp.workload.arrival!r} cannot be simulated")
@@ -168,7 +171,7 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
     for value, point in exp.points():
         vocab = wl.vocab_of(point.model, point.workload)
         for policy in policies:
-            summary = run_one(point, policy, profile, vocab)
+            summary = run_one(point, policy, profile, vocab, believed=believed)
             summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True)
             rows.append(summary)
             if out is not None:
