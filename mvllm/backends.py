@@ -2,15 +2,28 @@
 
     NAME=DEVICE[/KEY=VALUE]...[,NAME=DEVICE...]
     e.g.  gpu=cuda,cpu=cpu/threads=8      gpu=cpu,cpu=cpu (tests: two CPU backends)
+          gpu=http://10.0.0.2:8000/max_active=8,cpu=cpu      (a remote server and a local CPU backend)
 
-Keys: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode fastest here,
-see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
-fused (on|off: the CPU's fused float32 kernels).
+Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode
+fastest here, see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
+compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs), fused (on|off: the CPU's
+fused float32 kernels).
+
+A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
+backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
+the same model with the same tokenizer, reached over HTTP by server/remote.py. Its keys:
+max_active (the router books at most this many as running there), model (the name the remote serves;
+default: the first of its /v1/models), num_blocks (the size of the router's shadow prefix index, in
+16-token blocks; default: what an mvllm remote reports, else 4096), timeout (seconds to wait for the next
+chunk, default 60), api_key_env (the name of an environment variable holding the bearer token; the key
+itself never appears in a spec, a log or an error).
+
 A backend's name is its role for the router (the "gpu" of gpu-only); its device is a setting.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -30,25 +43,48 @@ class BackendSpec:
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
     graphs: bool = True
+    compile: bool = True
     fused: bool = True
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout: float = 60.0
+
+    @property
+    def remote(self) -> bool:
+        return is_url(self.device)
 
     def engine_config(self, model: str, block_size: int = 16) -> EngineConfig:
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
-                            fused=self.fused)
+                            compile=self.compile, fused=self.fused)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def convert(key: str, value: str, name: str):
+REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
+LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused")
+
+
+def is_url(device: str) -> bool:
+    return device.startswith(("http://", "https://"))
+
+
+def convert(key: str, value: str, name: str, remote: bool = False):
     types = {f.name: f.type for f in fields(BackendSpec)}
     if key not in types or key in ("name", "device"):
-        known = ", ".join(k for k in types if k not in ("name", "device"))
+        local = (k for k in types if k not in ("name", "device", "model", "timeout", "api_key_env"))
+        known = ", ".join(REMOTE_KEYS if remote else local)
         raise InvalidRequestError(f"backend {name}: unknown setting {key!r}; known: {known}", "backends")
+    if remote and key not in REMOTE_KEYS:
+        raise InvalidRequestError(f"backend {name}: {key} is a setting of a local backend; a remote one takes "
+                                  f"{', '.join(REMOTE_KEYS)}", "backends")
+    if not remote and key in ("model", "timeout", "api_key_env"):
+        raise InvalidRequestError(f"backend {name}: {key} is a setting of a remote backend (NAME=http://HOST:PORT)",
+                                  "backends")
     try:
-        if key in ("graphs", "fused"):
+        if key in ("graphs", "compile", "fused"):
             if value not in ("on", "off"):
                 raise ValueError
             return value == "on"
@@ -69,13 +105,13 @@ def parse_backends(text: str, max_active: int | None = None, check_devices: bool
         if "=" not in part:
             raise InvalidRequestError(f"backend {part!r} must look like NAME=DEVICE[/KEY=VALUE...]", "backends")
         name, rest = part.split("=", 1)
-        device, *options = rest.split("/")
+        device, options = split_device(rest)
         settings = {}
         if max_active is not None:
             settings["max_active"] = max_active
         for opt in options:
             key, _, value = opt.partition("=")
-            settings[key] = convert(key, value, name)
+            settings[key] = convert(key, value, name, is_url(device))
         specs.append(BackendSpec(name=name, device=device, **settings))
     if not specs:
         raise InvalidRequestError("no backend given; e.g. --backends gpu=cuda,cpu=cpu", "backends")
@@ -89,12 +125,34 @@ def parse_backends(text: str, max_active: int | None = None, check_devices: bool
     return specs
 
 
+def split_device(rest: str) -> tuple[str, list[str]]:
+    """("cpu", ["threads=8"]) from "cpu/threads=8"; a URL keeps its host and any path segments without "="
+    ("http://h:8000/v1/max_active=8" -> "http://h:8000/v1", ["max_active=8"]), and a later segment without
+    "=" belongs to the value before it (model=Qwen/Qwen2.5-0.5B)."""
+    if not is_url(rest):
+        device, *options = rest.split("/")
+        return device, options
+    scheme, _, tail = rest.partition("://")
+    parts = tail.split("/")
+    i = 1
+    while i < len(parts) and "=" not in parts[i]:
+        i += 1
+    url = f"{scheme}://" + "/".join(parts[:i])
+    options: list[str] = []
+    for p in parts[i:]:
+        if "=" in p or not options:
+            options.append(p)
+        else:
+            options[-1] += "/" + p
+    return url.rstrip("/"), [o for o in options if o]
+
+
 def set_option(text: str, name: str, key: str, value: str) -> str:
     """The backend list `text` with backend `name`'s setting `key` set to `value` (replaced if given)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     for i, part in enumerate(parts):
         if part.split("=", 1)[0] == name:
-            head, *options = part.split("/")
+            head, options = split_device(part)
             options = [o for o in options if o.partition("=")[0] != key]
             parts[i] = "/".join([head, *options, f"{key}={value}"])
             return ",".join(parts)
@@ -102,6 +160,9 @@ def set_option(text: str, name: str, key: str, value: str) -> str:
 
 
 def validate(spec: BackendSpec) -> None:
+    if spec.remote:
+        validate_remote(spec)
+        return
     if spec.dtype is not None and not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
         raise InvalidRequestError(f"backend {spec.name}: unknown dtype {spec.dtype!r}", "backends")
     try:
@@ -115,6 +176,25 @@ def validate(spec: BackendSpec) -> None:
         spec.engine_config("-").validate()
     except InvalidRequestError as e:
         raise InvalidRequestError(f"backend {spec.name}: {e}", "backends") from None
+
+
+def validate_remote(spec: BackendSpec) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(spec.device)
+        url.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        url = None
+    if url is None or not url.hostname:
+        raise InvalidRequestError(f"backend {spec.name}: {spec.device!r} is not a server address; use "
+                                  "http://HOST:PORT", "backends")
+    if spec.max_active < 1 or (spec.num_blocks is not None and spec.num_blocks < 1) or not spec.timeout > 0:
+        raise InvalidRequestError(f"backend {spec.name}: max_active, num_blocks and timeout must be positive",
+                                  "backends")
+    if spec.api_key_env is not None and spec.api_key_env not in os.environ:
+        raise InvalidRequestError(f"backend {spec.name}: api_key_env names {spec.api_key_env!r}, which is not set "
+                                  "in the environment", "backends")
 
 
 def default_backends() -> str:

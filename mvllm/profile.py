@@ -195,13 +195,19 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
     """accuracy: measure each backend against the float32 model on the evaluation text (real weights only)."""
     progress = progress or (lambda _: None)
     reference, source = None, resolve(model)
-    if accuracy and not source.synthetic:
+    if accuracy and not source.synthetic and any(not s.remote for s in specs):
         progress("accuracy: the float32 reference over the evaluation text")
         reference = Reference(source)
     default_threads = torch.get_num_threads()
     profile = {"model": model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "environment": environment(model), "backends": {}}
     for spec in specs:
+        if spec.remote:  # another server: measured from outside over HTTP (profile_remote.py)
+            from mvllm.profile_remote import measure_remote
+
+            profile["backends"][spec.name] = measure_remote(spec, source.config.vocab_size, lengths, repeats, steps,
+                                                            progress)
+            continue
         torch.set_num_threads(spec.threads or default_threads)
         entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference)
         gc.collect()
@@ -273,7 +279,8 @@ def table(profile: dict):
         cold = " ".join(f"{p['tok_s']:.0f} ({p['tokens']})" for p in pre if p["kind"] == "cold")
         warm = next((f"{p['ms']:.1f}" for p in pre if p["kind"] == "warm"), "-")
         dec = " ".join(f"{d['step_ms']:.1f}" for d in b.get("decode", []))
-        setting = f"{b.get('device', '?')} {b.get('dtype', '')} {b.get('quant', '')} x{b.get('threads', '')}"
+        setting = (f"{b.get('device', '?')} {b.get('dtype', '')} {b.get('quant', '')} x{b.get('threads', '')}"
+                   if not b.get("remote") else f"{b['device']} (over HTTP)")
         t.add_row(name, setting, cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}")
         if b.get("accuracy"):
             accuracy.add_row(name, *accuracy_cells(b["accuracy"]))

@@ -28,6 +28,9 @@ class Router:
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
         self.alive = {b: True for b in self.backends}
         self.decisions = {b: 0 for b in self.backends}
+        self.estimated: set[str] = set()  # backends whose cached prefix is a shadow estimate (remote servers)
+        self.external: dict[str, int] = {b: 0 for b in self.backends}
+        self.recent_max_tokens: list[int] = []
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
 
     def set_policy(self, text: str) -> None:
@@ -65,11 +68,14 @@ class Router:
                 out[b] = c
         return out
 
-    def route(self, request_id: str, prompt_tokens: int, max_tokens: int, cached: dict[str, int]) -> str:
-        """Choose a backend and book the request there. `cached`: each backend's cached prefix now."""
-        alive = self.alive_backends()
+    def route(self, request_id: str, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
+              exclude: tuple[str, ...] = ()) -> str:
+        """Choose a backend and book the request there. `cached`: each backend's cached prefix now.
+        `exclude`: backends not to choose (one that just failed this request)."""
+        alive = [b for b in self.alive_backends() if b not in exclude]
         if not alive:
             raise NoBackendError("no backend is alive to serve the request")
+        self.recent_max_tokens = (self.recent_max_tokens + [max_tokens])[-32:]
         # scores only where the policy or the routing log reads them: eta's replay costs O(queue) per backend
         cands = self.candidates(prompt_tokens, max_tokens, cached) if self.policy.needs_scores or self.log else {}
         choice = self.policy.choose(alive, cands)
@@ -79,8 +85,27 @@ class Router:
             self.log.write(json.dumps({
                 "request_id": request_id, "time": time.time(), "policy": self.policy.name, "choice": choice,
                 "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-                "candidates": {b: c.as_dict() for b, c in cands.items()}}) + "\n")
+                "candidates": {b: c.as_dict() for b, c in cands.items()},
+                **({"estimated_cache": sorted(self.estimated), "cached_prefix": cached} if self.estimated else {}),
+                **({"external": {b: n for b, n in self.external.items() if n}} if any(self.external.values())
+                   else {})}) + "\n")
         return choice
+
+    def set_external(self, backend: str, count: int) -> None:
+        """A remote runs `count` requests for other clients: book each as one running request of ours, priced at
+        the mean max_tokens of the last 32 routed here (their real lengths are unknown)."""
+        self.external[backend] = count
+        book = self.bookings[backend]
+        for rid in [r for r in book if r.startswith("external-")]:
+            del book[rid]
+        size = round(sum(self.recent_max_tokens) / len(self.recent_max_tokens)) if self.recent_max_tokens else 0
+        for i in range(count if self.alive[backend] else 0):
+            book[f"external-{i}"] = Booking(f"external-{i}", 0, 0, size, active=True)
+
+    def note(self, record: dict) -> None:
+        """An extra line in the routing log (no "candidates": readers of decisions skip it)."""
+        if self.log:
+            self.log.write(json.dumps(record) + "\n")
 
     def on_scheduled(self, backend: str, request_id: str, cached_tokens: int) -> None:
         booking = self.bookings[backend].get(request_id)

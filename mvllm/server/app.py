@@ -23,7 +23,8 @@ from mvllm.server.text import Detokenizer
 
 
 def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_size: int,
-              warm_prefix: str | list[int] | None = None) -> FastAPI:
+              warm_prefix: str | list[int] | None = None, context: int | None = None) -> FastAPI:
+    """context: the model's own context length, for when no backend reports one (a foreign remote)."""
     @asynccontextmanager
     async def lifespan(_app):
         cluster.start(asyncio.get_running_loop())
@@ -61,7 +62,8 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
     async def _internal(_, exc: Exception):
         return error(500, f"internal error: {type(exc).__name__}", kind="internal_error", code="internal_error")
 
-    max_len = min(s["max_model_len"] for s in cluster.snapshots.values())
+    max_len = min((s["max_model_len"] for s in cluster.snapshots.values() if s.get("max_model_len")),
+                  default=context or 2048)
 
     def served(body) -> None:
         if body.model != model_name:
@@ -121,6 +123,9 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
     @app.get("/health")
     async def health():
         states = {n: {"alive": b.alive, "restarts": cluster.restarts[n]} for n, b in cluster.backends.items()}
+        for n, b in cluster.backends.items():
+            if b.spec.remote:
+                states[n].update(b.health())
         for n, why in cluster.restart_error.items():
             states[n]["restart_error"] = why
         if not cluster.healthy():

@@ -15,6 +15,12 @@ from mvllm.engine.worker import ProcessBackend
 from mvllm.errors import MvllmError
 from mvllm.routing.router import Router
 from mvllm.server.metrics import Metrics
+from mvllm.server.remote import RemoteBackend
+
+
+def make_backend(spec: BackendSpec, model: str) -> ProcessBackend | RemoteBackend:
+    """A worker process on this machine, or another server over HTTP: one transport, two implementations."""
+    return RemoteBackend(spec, model) if spec.remote else ProcessBackend(spec, model)
 
 
 class ShuttingDownError(MvllmError):
@@ -39,7 +45,8 @@ class Cluster:
     def __init__(self, specs: list[BackendSpec], model: str, router: Router, restart: bool = False,
                  ready_timeout: float = 600.0):
         self.model, self.router, self.restart, self.ready_timeout = model, router, restart, ready_timeout
-        self.backends = {s.name: ProcessBackend(s, model) for s in specs}
+        self.backends = {s.name: make_backend(s, model) for s in specs}
+        router.estimated = {s.name for s in specs if s.remote}  # their cached prefixes are shadow estimates
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, str] = {}
         self.unstarted: dict[str, tuple[list[int], SamplingParams, float]] = {}  # no token sent yet
@@ -89,6 +96,20 @@ class Cluster:
             self.unstarted.pop(rid, None)
             self.router.on_finished(name, rid)
             self._put(rid, Event(error=msg[2]) if kind == "error" else Event(finish_reason="abort"))
+        elif kind == "done":  # a remote's request ended after its last token
+            self._done(name, msg[1], msg[2])
+        elif kind == "failed":  # a remote's request failed while the remote still answers its health probe
+            self._lost(name, msg[1], msg[2])
+        elif kind == "load":  # an mvllm remote's load, with the requests it runs for other clients
+            self.snapshots[name].update(msg[1])
+            self.metrics.observe_snapshot(name, msg[1])
+            self.router.set_external(name, msg[2])
+        elif kind == "up":  # a remote that was down answers its probe again
+            self.snapshots[name] = dict(msg[1])
+            self.restarts[name] += 1
+            self.metrics.restarts.labels(name).inc()
+            self.metrics.backend_up.labels(name).set(1)
+            self.router.revive(name)
         elif kind == "dead":
             self.backends[name].mark_dead()
             self.metrics.backend_up.labels(name).set(0)
@@ -98,15 +119,33 @@ class Cluster:
                 else:
                     self.unstarted.pop(rid, None)
                     self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
-            if self.restart and not self.draining:
-                asyncio.ensure_future(self._respawn(name))
+            if self.restart and not self.draining and not self.backends[name].spec.remote:
+                asyncio.ensure_future(self._respawn(name))  # a remote comes back by itself: RemoteBackend probes it
 
-    async def _reroute(self, rid: str, dead: str) -> None:
+    def _done(self, name: str, rid: str, reason: str) -> None:
+        booking = self.router.bookings[name].get(rid)
+        if booking is not None and name in self.router.estimated:
+            self.router.note({"request_id": rid, "time": time.time(), "event": "remote_cache", "backend": name,
+                              "estimated_cached": booking.estimated_cached, "actual_cached": booking.actual_cached})
+        self.unstarted.pop(rid, None)
+        self.router.on_finished(name, rid)
+        self._put(rid, Event(finish_reason=reason))
+
+    def _lost(self, name: str, rid: str, why: str) -> None:
+        """One request failed on a backend that is still up: elsewhere if it had not started, else an error."""
+        self.router.on_finished(name, rid)
+        if rid in self.unstarted and rid in self.streams and not self.draining:
+            asyncio.ensure_future(self._reroute(rid, name, exclude=(name,)))
+        else:
+            self.unstarted.pop(rid, None)
+            self._put(rid, Event(error=why))
+
+    async def _reroute(self, rid: str, dead: str, exclude: tuple[str, ...] = ()) -> None:
         """Place a request that had sent nothing yet on a live backend; its client sees no difference."""
         token_ids, params, arrival = self.unstarted[rid]
         try:
             cached = await self.cached_prefix(token_ids)
-            name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
+            name = self.router.route(rid, len(token_ids), params.max_tokens, cached, exclude)
             self.backends[name].submit(rid, token_ids, params, arrival)
         except MvllmError as e:
             self.unstarted.pop(rid, None)
@@ -246,7 +285,7 @@ class Cluster:
                     snap.update(await b.call("snapshot", timeout=10))
                 except (MvllmError, asyncio.TimeoutError):
                     pass
-            bookings = self.router.bookings[b.name].values()
+            bookings = [x for r, x in self.router.bookings[b.name].items() if not r.startswith("external-")]
             snap["routed"] = self.router.decisions[b.name]
             snap["booked_queued"] = sum(not x.active for x in bookings)
             snap["booked_active"] = sum(x.active for x in bookings)

@@ -63,11 +63,12 @@ def read_prefix(path: str | None) -> str | list[int] | None:
 
 def default_threads(specs: list[BackendSpec]) -> None:
     """Share the cores: CPU backends without a thread count split what the GPU workers leave."""
-    cpu = [s for s in specs if s.device == "cpu" and s.threads is None]
-    others = len(specs) - len([s for s in specs if s.device == "cpu"])
+    local = [s for s in specs if not s.remote]  # a remote backend's threads are another machine's
+    cpu = [s for s in local if s.device == "cpu" and s.threads is None]
+    others = len(local) - len([s for s in local if s.device == "cpu"])
     for s in cpu:
         s.threads = max(1, ((os.cpu_count() or 1) - others) // len(cpu))
-    for s in specs:
+    for s in local:
         if s.device != "cpu" and s.threads is None:
             s.threads = 1
 
@@ -106,7 +107,8 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
     try:
         with console.status(f"starting {len(specs)} backends for {model}"):
             cluster.wait_ready(ready_timeout)
-        app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix)
+        app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix,
+                        source.config.max_position)
         names = ", ".join(f"{s.name}={s.device}" for s in specs)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)

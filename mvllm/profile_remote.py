@@ -1,0 +1,107 @@
+"""`mvllm profile` of a remote backend (NAME=http://...): the same measurements as profile.py, taken from
+outside over the OpenAI API, into the same profile shape, so that eta and mixed can route to any server.
+
+- cold prefill: time to the first streamed token of a unique prompt (max_tokens 1);
+- warm prefill: the same after the prompt's first WARM_CACHED tokens were sent once (and so cached);
+- decode: b concurrent streams over a cached prefix; the step time at batch b is the median gap between a
+  stream's tokens while all b streams are decoding.
+Times include the HTTP round trip and the server's own overhead, as the router will see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+
+from mvllm.backends import BackendSpec
+from mvllm.profile import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW, Progress, Tokens, choose_rates
+from mvllm.server.remote import RemoteBackend, remote_message
+
+
+class Remote:
+    def __init__(self, spec: BackendSpec, client: httpx.AsyncClient, model: str):
+        self.spec, self.client, self.model = spec, client, model
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> list[float]:
+        """perf_counter stamps: the send, then the arrival of each chunk that carries tokens."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        stamps = [time.perf_counter()]
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise httpx.HTTPStatusError(remote_message(r), request=r.request, response=r)
+            async for line in r.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                choices = json.loads(line[5:]).get("choices") or []
+                if choices and (choices[0].get("token_ids") or choices[0].get("text")):
+                    stamps.append(now)
+        return stamps
+
+    async def ttft(self, prompt: list[int]) -> float:
+        stamps = await self.stream(prompt, 1)
+        return stamps[1] - stamps[0]
+
+
+def decode_steps(runs: list[list[float]]) -> list[float]:
+    """Token gaps of every stream inside the window where all of them were decoding."""
+    start = max(s[1] for s in runs)
+    end = min(s[-1] for s in runs)
+    gaps = []
+    for s in runs:
+        gaps += [b - a for a, b in zip(s[1:], s[2:]) if a >= start and b <= end]
+    return gaps
+
+
+async def measure(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repeats: int, steps: int,
+                  progress: Progress) -> dict:
+    handle = RemoteBackend(spec, "")
+    await asyncio.to_thread(handle.wait_ready, 30.0)
+    tokens = Tokens(vocab)
+    max_len = handle.info.get("max_model_len") or 2048
+    out = {"device": spec.device, "device_name": f"remote {'mvllm' if handle.mvllm else 'OpenAI'} server "
+           f"({handle.model})", "remote": True, "max_active": spec.max_active, "measured": "from outside, over HTTP",
+           "prefill": [], "decode": []}
+    async with httpx.AsyncClient(base_url=handle.base, headers=handle.headers(), timeout=handle.timeout()) as client:
+        remote = Remote(spec, client, handle.model)
+        await remote.ttft(tokens(min(lengths)))  # warm-up: connections, the remote's allocators
+        for n in lengths:
+            if n + 1 >= max_len:
+                continue
+            progress(f"{spec.name}: cold prefill, {n} tokens")
+            ms = 1000 * statistics.median([await remote.ttft(tokens(n)) for _ in range(repeats)])
+            out["prefill"].append({"kind": "cold", "tokens": n, "cached": 0, "ms": ms, "tok_s": n / ms * 1000})
+        progress(f"{spec.name}: warm prefill, {WARM_NEW} new after {WARM_CACHED} cached")
+        prefix = tokens(WARM_CACHED)
+        await remote.ttft(prefix)
+        ms = 1000 * statistics.median([await remote.ttft(prefix + tokens(WARM_NEW)) for _ in range(repeats)])
+        out["prefill"].append({"kind": "warm", "tokens": WARM_NEW, "cached": WARM_CACHED // 16 * 16, "ms": ms,
+                               "tok_s": WARM_NEW / ms * 1000})
+        prefix = tokens(DECODE_PREFIX)
+        await remote.ttft(prefix)
+        for b in range(1, spec.max_active + 1):
+            progress(f"{spec.name}: decode, {b} concurrent stream(s)")
+            gaps = []
+            for _ in range(max(repeats // 2, 1)):
+                runs = await asyncio.gather(*(remote.stream(prefix + tokens(DECODE_NEW), 2 * steps + 8)
+                                              for _ in range(b)))
+                gaps += decode_steps(runs)
+            if not gaps:
+                continue
+            ms = 1000 * statistics.median(gaps)
+            out["decode"].append({"batch": b, "context": DECODE_PREFIX + DECODE_NEW + (steps + 1) // 2,
+                                  "step_ms": ms, "tok_s": b / ms * 1000, "itl_samples": len(gaps)})
+    out.update(choose_rates(out))
+    out["accuracy"] = {"note": "not measured: a remote server's logits are not reachable"}
+    return out
+
+
+def measure_remote(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repeats: int, steps: int,
+                   progress: Progress) -> dict:
+    return asyncio.run(measure(spec, vocab, lengths, repeats, steps, progress))

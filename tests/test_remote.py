@@ -1,0 +1,230 @@
+"""Remote backends: two `mvllm serve` processes on a tiny model behind a third, driven by the openai client;
+a client that hangs up, a remote that dies and comes back, a remote profiled from outside, and a bench
+experiment mixing a remote with a local CPU backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from mvllm.backends import parse_backends
+from mvllm.bench import experiment as ex
+from mvllm.bench.process import ServerProcess
+from mvllm.bench.results import read_json
+from mvllm.bench.runner import bench
+from mvllm.engine.block_manager import BlockManager
+from mvllm.engine.params import SamplingParams
+from mvllm.engine.sequence import Sequence
+from mvllm.errors import InvalidRequestError
+from mvllm.server.shadow import ShadowIndex
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "synthetic:tiny-llama"
+REMOTE = "gpu=cpu/threads=1/max_active=1"  # remote a: requests queue behind a long one
+SECRET = "sk-test-do-not-log-4711"
+PREFIX = list(range(100, 132))  # 2 full blocks
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Remotes a and b (one CPU worker each, 1 and 2 active) and a router over them: gpu=a, cpu=b, gpu-only."""
+    tmp = tmp_path_factory.mktemp("remote")
+    a = ServerProcess(["--model", MODEL, "--backends", REMOTE], tmp / "a.log").start()
+    b = ServerProcess(["--model", MODEL, "--backends", "gpu=cpu/threads=1/max_active=2"], tmp / "b.log").start()
+    a.wait_ready(120)
+    b.wait_ready(120)
+    os.environ["MVLLM_TEST_KEY"] = SECRET  # inherited by the router: sent to remote a, never written anywhere
+    router = ServerProcess(["--model", MODEL, "--backends", f"gpu={a.url}/api_key_env=MVLLM_TEST_KEY,cpu={b.url}",
+                            "--policy", "gpu-only", "--routing-log", str(tmp / "routing.jsonl")],
+                           tmp / "router.log").start()
+    router.wait_ready(60)
+    yield {"a": a, "b": b, "router": router, "tmp": tmp}
+    for s in (router, a, b):
+        s.stop()
+    assert SECRET not in (tmp / "router.log").read_text() + (tmp / "routing.jsonl").read_text()
+
+
+def client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(server: ServerProcess, prompt: list[int], n: int):
+    return client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                             extra_body={"ignore_eos": True})
+
+
+def test_remote_specs_parse_and_bad_ones_say_why():
+    a, b = parse_backends("gpu=http://10.0.0.2:8000/v1/max_active=8/model=Qwen/Qwen2.5-0.5B,cpu=cpu/threads=2")
+    assert (a.remote, a.device, a.max_active, a.model) == (True, "http://10.0.0.2:8000/v1", 8, "Qwen/Qwen2.5-0.5B")
+    assert not b.remote and b.threads == 2
+    for text, says in [("gpu=http://h:80/threads=2", "threads is a setting of a local backend"),
+                       ("gpu=cpu/model=m", "model is a setting of a remote backend"),
+                       ("gpu=http://:80", "is not a server address"),
+                       ("gpu=http://h:80/api_key_env=MVLLM_NO_SUCH_VAR", "not set in the environment"),
+                       ("gpu=http://h:80/timeout=0", "must be positive")]:
+        with pytest.raises(InvalidRequestError, match=says):
+            parse_backends(text)
+
+
+def test_shadow_index_agrees_with_the_engine_and_forgets_least_recent_first():
+    blocks = BlockManager(64, 16)
+    seq = Sequence(list(range(50)), SamplingParams(max_tokens=1))
+    blocks.allocate(seq)
+    seq.num_computed_tokens = len(seq)
+    blocks.commit(seq)
+    shadow = ShadowIndex(3)
+    shadow.add(list(range(50)))
+    for probe in (list(range(50)), list(range(33)), list(range(32)), list(range(20)) + [7] * 30, [1] * 40):
+        assert shadow.cached_prefix_len(probe) == blocks.cached_prefix_len(probe)
+    assert shadow.cached_prefix_len(list(range(40))) == 32
+    shadow.add([9] * 40)  # 2 blocks more than fit: the first prompt's last blocks go, its first stays
+    assert shadow.cached_prefix_len(list(range(50))) == 16 and shadow.cached_prefix_len([9] * 40) == 32
+
+
+def test_relayed_tokens_usage_cache_and_routing_log(servers):
+    a, router = servers["a"], servers["router"]
+    direct = greedy(a, PREFIX + [1, 2, 3], 12)
+    routed = greedy(router, PREFIX + [1, 2, 3], 12)
+    assert routed.choices[0].token_ids == direct.choices[0].token_ids and len(direct.choices[0].token_ids) == 12
+    assert routed.backend == "gpu" and routed.usage.completion_tokens == 12 and routed.usage.prompt_tokens == 35
+    stream = client(router).completions.create(model=MODEL, prompt=PREFIX + [4, 5], max_tokens=6, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    ids = [t for c in chunks for ch in c.choices for t in (ch.token_ids or [])]
+    assert ids == greedy(a, PREFIX + [4, 5], 6).choices[0].token_ids
+    assert sum(bool(c.choices and c.choices[0].token_ids) for c in chunks) == 6  # one chunk per token, not batched
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens == 32
+    lines = [json.loads(x) for x in (servers["tmp"] / "routing.jsonl").read_text().splitlines()]
+    decisions = [x for x in lines if "choice" in x]
+    notes = [x for x in lines if x.get("event") == "remote_cache"]
+    assert [d["choice"] for d in decisions] == ["gpu", "gpu"] and decisions[0]["estimated_cache"] == ["cpu", "gpu"]
+    assert decisions[0]["cached_prefix"] == {"gpu": 0, "cpu": 0} and decisions[1]["cached_prefix"]["gpu"] == 32
+    # the direct call went around the router: remote a had the prefix cached, the shadow index could not know
+    assert [(n["estimated_cached"], n["actual_cached"]) for n in notes] == [(0, 32), (32, 32)]
+    health = httpx.get(f"{router.url}/health").json()
+    assert health["status"] == "ok" and health["backends"]["gpu"]["url"] == a.url
+    assert SECRET not in httpx.get(f"{router.url}/v1/backends").text
+
+
+def test_bad_requests_are_400_and_nothing_reaches_a_remote(servers):
+    router = servers["router"]
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 5000})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": "other", "prompt": [1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_client_hang_up_aborts_the_remote_request(servers):
+    a, router = servers["a"], servers["router"]
+    body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.monotonic() + 3
+    while httpx.get(f"{a.url}/v1/backends").json()[0]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{a.url}/v1/backends").json()[0]["running"] == 0
+    generated = next(line for line in httpx.get(f"{a.url}/metrics").text.splitlines()
+                     if line.startswith("mvllm_generation_tokens_total"))
+    assert float(generated.split()[-1]) < 2000  # aborted at the remote, not run to the end
+
+
+def test_remote_profile_routes_eta(servers, tmp_path):
+    out = tmp_path / "remote.json"
+    done = subprocess.run([sys.executable, "-m", "mvllm.cli", "profile", "--model", MODEL, "--backends",
+                           f"r={servers['b'].url}/max_active=2", "--lengths", "64,128", "--repeats", "2", "--steps",
+                           "24", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = read_json(out)["backends"]["r"]
+    assert entry["remote"] and [d["batch"] for d in entry["decode"]] == [1, 2]
+    assert [p["tokens"] for p in entry["prefill"]] == [64, 128, 20] and entry["prefill_rate"] > 0
+    from mvllm.routing.eta import Timing
+
+    assert Timing.from_profile(entry).max_active == 2
+
+
+def test_unreachable_remote_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mvllm.cli", "serve", "--model", MODEL, "--backends",
+                           "gpu=http://127.0.0.1:9/timeout=1", "--ready-timeout", "1"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "backend gpu: http://127.0.0.1:9 did not answer within 1 s" in done.stderr
+
+
+def test_bench_mixes_a_remote_and_a_local_backend(servers, tmp_path):
+    exp = ex.load(ROOT / "experiments" / "remote-smoke.toml")
+    exp.backends = f"gpu={servers['b'].url},cpu=cpu/threads=1"
+    out = tmp_path / "remote-smoke"
+    bench(exp, out, quiet=True)
+    for policy in exp.policies:
+        s = read_json(out / f"{policy}-run1" / "summary.json")
+        assert s["completed"] == exp.workload.requests and s["failed"] == 0
+        assert set(s["warm_cached_tokens"]) == {"gpu", "cpu"}
+    assert read_json(out / "gpu-only-run1" / "summary.json")["backend_requests"] == {"gpu": exp.workload.requests}
+    done = subprocess.run([sys.executable, "-m", "mvllm.cli", "report", str(out)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "report" / "summary.md").read_text().count("gpu-only") >= 1
+
+
+def test_killed_remote_reroutes_unstarted_ends_streams_and_comes_back(servers):
+    a, b, router = servers["a"], servers["b"], servers["router"]
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    def long_stream():
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    streaming.set()
+
+    queued: dict[int, object] = {}
+
+    def one(i: int):
+        queued[i] = greedy(router, PREFIX + [i], 5)
+
+    stream = threading.Thread(target=long_stream)
+    stream.start()
+    assert streaming.wait(30)
+    waiting = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in waiting:
+        t.start()
+    time.sleep(0.3)  # both wait behind the stream at remote a (1 active)
+    killed = time.monotonic()
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    a.proc.wait()
+    stream.join(30)
+    assert time.monotonic() - killed < 5
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "backend_failed"
+    for t in waiting:
+        t.join(60)
+    assert {r.backend for r in queued.values()} == {"cpu"}  # re-routed: the client saw no error
+    for i, r in queued.items():
+        assert r.choices[0].token_ids == greedy(b, PREFIX + [i], 5).choices[0].token_ids
+    health = httpx.get(f"{router.url}/health")
+    gpu = health.json()["backends"]["gpu"]
+    assert health.status_code == 503 and gpu["alive"] is False and "next_probe_in_s" in gpu
+    assert 'mvllm_requests_rerouted_total{backend="gpu"} 2.0' in httpx.get(f"{router.url}/metrics").text
+    assert greedy(router, [5, 6], 2).backend == "cpu"
+    a.start()  # the same address again: the router probes with back-off and routes to it again
+    a.wait_ready(120)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{router.url}/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(f"{router.url}/health").json()["backends"]["gpu"]["restarts"] == 1
+    assert greedy(router, [5, 6], 2).backend == "gpu"
