@@ -87,8 +87,9 @@ def mode_name(engine) -> str:
 def profile(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
-                                            "gpu=cuda,cpu=cpu/threads=8 (default: a GPU if present, "
-                                            "and the CPU)."),
+                                            "gpu=cuda,cpu=cpu/threads=8; NAME=http://HOST:PORT is another "
+                                            "OpenAI-compatible server, measured over HTTP (default: a GPU if "
+                                            "present, and the CPU)."),
     out: str = typer.Option(None, help="Write the profile JSON here, e.g. results/profile/<name>.json."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout."),
     baseline: str = typer.Option(None, help="'transformers': also time plain transformers generate on the "
@@ -112,7 +113,8 @@ def profile(
 def serve(
     model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
     backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
-                                            "gpu=cuda,cpu=cpu/threads=8 (default: a GPU if present, and the CPU)."),
+                                            "gpu=cuda,cpu=cpu/threads=8; NAME=http://HOST:PORT routes to another "
+                                            "OpenAI-compatible server (default: a GPU if present, and the CPU)."),
     policy: str = typer.Option(None, help="mixed (the brief's cost score), eta (predicted finish time), makespan, "
                                            "gpu-only, cpu-only, round-robin or split:K (default: eta with "
                                            "--profile, else gpu-only)."),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 
@@ -25,11 +26,12 @@ from mvllm.server.remote import RemoteBackend, remote_message
 class Remote:
     def __init__(self, spec: BackendSpec, client: httpx.AsyncClient, model: str):
         self.spec, self.client, self.model = spec, client, model
+        self.cached: int | None = None
 
     async def stream(self, prompt: list[int], max_tokens: int) -> list[float]:
         """perf_counter stamps: the send, then the arrival of each chunk that carries tokens."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         stamps = [time.perf_counter()]
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -39,14 +41,25 @@ class Remote:
                 now = time.perf_counter()
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
-                choices = json.loads(line[5:]).get("choices") or []
+                chunk = json.loads(line[5:])
+                choices = chunk.get("choices") or []
                 if choices and (choices[0].get("token_ids") or choices[0].get("text")):
                     stamps.append(now)
+                usage = chunk.get("usage") or {}
+                self.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", self.cached)
         return stamps
 
-    async def ttft(self, prompt: list[int]) -> float:
+    async def ttft(self, prompt: list[int]) -> tuple[float, int | None]:
+        """Seconds to the first token, and the cached prompt tokens the remote reported (None: not reported)."""
+        self.cached = None
         stamps = await self.stream(prompt, 1)
-        return stamps[1] - stamps[0]
+        return stamps[1] - stamps[0], self.cached
+
+
+def reported(runs: list[tuple[float, int | None]]) -> int | None:
+    """The fewest cached tokens the remote reported over the runs; None where it reports none."""
+    found = [c for _, c in runs if c is not None]
+    return min(found) if found else None
 
 
 def decode_steps(runs: list[list[float]]) -> list[float]:
@@ -63,7 +76,8 @@ async def measure(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repea
                   progress: Progress) -> dict:
     handle = RemoteBackend(spec, "")
     await asyncio.to_thread(handle.wait_ready, 30.0)
-    tokens = Tokens(vocab)
+    tokens = Tokens(vocab, seed=int.from_bytes(os.urandom(4), "little"))  # a remote outlives this run: new
+    # prompts each time, or a second profile would find the first one's prompts cached
     max_len = handle.info.get("max_model_len") or 2048
     out = {"device": spec.device, "device_name": f"remote {'mvllm' if handle.mvllm else 'OpenAI'} server "
            f"({handle.model})", "remote": True, "max_active": spec.max_active, "measured": "from outside, over HTTP",
@@ -75,13 +89,16 @@ async def measure(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repea
             if n + 1 >= max_len:
                 continue
             progress(f"{spec.name}: cold prefill, {n} tokens")
-            ms = 1000 * statistics.median([await remote.ttft(tokens(n)) for _ in range(repeats)])
-            out["prefill"].append({"kind": "cold", "tokens": n, "cached": 0, "ms": ms, "tok_s": n / ms * 1000})
+            runs = [await remote.ttft(tokens(n)) for _ in range(repeats)]
+            ms = 1000 * statistics.median(t for t, _ in runs)
+            out["prefill"].append({"kind": "cold", "tokens": n, "cached": reported(runs), "ms": ms,
+                                   "tok_s": n / ms * 1000})
         progress(f"{spec.name}: warm prefill, {WARM_NEW} new after {WARM_CACHED} cached")
         prefix = tokens(WARM_CACHED)
         await remote.ttft(prefix)
-        ms = 1000 * statistics.median([await remote.ttft(prefix + tokens(WARM_NEW)) for _ in range(repeats)])
-        out["prefill"].append({"kind": "warm", "tokens": WARM_NEW, "cached": WARM_CACHED // 16 * 16, "ms": ms,
+        runs = [await remote.ttft(prefix + tokens(WARM_NEW)) for _ in range(repeats)]
+        ms = 1000 * statistics.median(t for t, _ in runs)
+        out["prefill"].append({"kind": "warm", "tokens": WARM_NEW, "cached": reported(runs), "ms": ms,
                                "tok_s": WARM_NEW / ms * 1000})
         prefix = tokens(DECODE_PREFIX)
         await remote.ttft(prefix)

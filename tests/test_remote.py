@@ -151,6 +151,7 @@ def test_remote_profile_routes_eta(servers, tmp_path):
     entry = read_json(out)["backends"]["r"]
     assert entry["remote"] and [d["batch"] for d in entry["decode"]] == [1, 2]
     assert [p["tokens"] for p in entry["prefill"]] == [64, 128, 20] and entry["prefill_rate"] > 0
+    assert [p["cached"] for p in entry["prefill"]] == [0, 0, 496]  # as remote b reported: cold prompts were cold
     from mvllm.routing.eta import Timing
 
     assert Timing.from_profile(entry).max_active == 2
