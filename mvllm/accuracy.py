@@ -48,7 +48,7 @@ def eval_tokens(source: ModelSource, path: Path | None = None, max_len: int | No
 
 @torch.inference_mode()
 def logits(model: Decoder, ids: list[int], device: torch.device, dtype: torch.dtype, chunk: int | None = None,
-           block_size: int = 16, fused: bool = False) -> torch.Tensor:
+           block_size: int = 16, layout: str = "") -> torch.Tensor:
     """Float32 logits [n, vocab] on the CPU at every position; `chunk` tokens per forward (None: all at once)."""
     cfg, n = model.cfg, len(ids)
     blocks = -(-n // block_size)
@@ -57,7 +57,7 @@ def logits(model: Decoder, ids: list[int], device: torch.device, dtype: torch.dt
     table, step, out = [list(range(blocks))], chunk or n, []
     for start in range(0, n, step):
         end = min(start + step, n)
-        meta = build_meta([(start, end)], table, block_size, device, fused)
+        meta = build_meta([(start, end)], table, block_size, device, layout)
         as_long = dict(dtype=torch.long, device=device)
         hidden = model(torch.tensor(ids[start:end], **as_long), torch.arange(start, end, **as_long), caches, meta)
         out.append(model.logits(hidden).float().cpu())
@@ -83,9 +83,10 @@ class Reference:
         self.logits = logits(model, self.ids, cpu, torch.float32)
         del model
 
-    def measure(self, model: Decoder, device: torch.device, dtype: torch.dtype, fused: bool = False) -> dict:
-        """fused: through the CPU's fused kernels, as the engine runs them where ModelRunner.fused."""
-        passes = {name: compare(self.logits, logits(model, self.ids, device, dtype, chunk, fused=fused))
+    def measure(self, model: Decoder, device: torch.device, dtype: torch.dtype, layout: str = "") -> dict:
+        """layout: the engine's attention layout (ModelRunner.layout): "fused" runs the CPU's fused kernels,
+        "table" the GPU's Triton attention (eagerly, outside torch.compile)."""
+        passes = {name: compare(self.logits, logits(model, self.ids, device, dtype, chunk, layout=layout))
                   for name, chunk in (("prefill", None), ("decode", DECODE_CHUNK))}
         worst = max(passes.values(), key=lambda p: p["kl_mean"])
         return {"tokens": len(self.ids), "text": self.text.name, "kl_mean": worst["kl_mean"], "top1": worst["top1"],

@@ -70,12 +70,15 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     config = spec.engine_config(model, block_size)
     config.num_blocks = kv_blocks(spec, lengths, block_size)
     progress(f"{spec.name}: loading {model} on {spec.device}")
+    start = time.perf_counter()
     engine = Engine(config)
+    ready_s = time.perf_counter() - start
+    progress(f"{spec.name}: ready in {ready_s:.1f} s")
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
            "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(),
-           "max_active": spec.max_active, "graphs": bool(engine.runner.graphs), "fused": engine.runner.fused,
-           "prefill": [], "decode": []}
+           "max_active": spec.max_active, "graphs": engine.runner.captured, "compiled": engine.runner.compiled,
+           "fused": engine.runner.fused, "ready_s": round(ready_s, 1), "prefill": [], "decode": []}
 
     def first_token(prompt: list[int]) -> tuple[float, int]:
         seq = engine.add_request(prompt, _greedy(1))
@@ -128,7 +131,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     out.update(choose_rates(out))
     if reference is not None:
         progress(f"{spec.name}: accuracy against float32 on {len(reference.ids)} tokens")
-        out["accuracy"] = reference.measure(engine.model, engine.device, engine.dtype, engine.runner.fused)
+        out["accuracy"] = reference.measure(engine.model, engine.device, engine.dtype, engine.runner.layout)
     elif engine.source.synthetic:
         out["accuracy"] = {"note": SYNTHETIC_NOTE}
     return out
@@ -266,7 +269,7 @@ def table(profile: dict):
 
     t = Table(title=f"mvllm profile: {profile['model']}")
     for col in ("backend", "setting", "cold prefill tok/s (length)", "warm ms", "decode ms/step (batch 1..n)",
-                "prefill_rate", "decode_rate"):
+                "prefill_rate", "decode_rate", "ready s"):
         t.add_column(col, justify="left" if col in ("backend", "setting") else "right")
     accuracy = Table(title="accuracy against float32 (mean KL, nats/token)")
     for col in ("backend", "KL prefill", "KL decode", "top-1", "verdict"):
@@ -278,10 +281,12 @@ def table(profile: dict):
         pre = b.get("prefill", [])
         cold = " ".join(f"{p['tok_s']:.0f} ({p['tokens']})" for p in pre if p["kind"] == "cold")
         warm = next((f"{p['ms']:.1f}" for p in pre if p["kind"] == "warm"), "-")
-        dec = " ".join(f"{d['step_ms']:.1f}" for d in b.get("decode", []))
+        dec = " ".join(f"{d['step_ms']:.2f}" if d["step_ms"] < 10 else f"{d['step_ms']:.1f}"
+                       for d in b.get("decode", []))
         setting = (f"{b.get('device', '?')} {b.get('dtype', '')} {b.get('quant', '')} x{b.get('threads', '')}"
                    if not b.get("remote") else f"{b['device']} (over HTTP)")
-        t.add_row(name, setting, cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}")
+        t.add_row(name, setting, cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}",
+                  str(b.get("ready_s", "-")))
         if b.get("accuracy"):
             accuracy.add_row(name, *accuracy_cells(b["accuracy"]))
         got = b.get("baseline", {}).get("ratios", {})

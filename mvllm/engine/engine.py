@@ -36,6 +36,7 @@ class EngineConfig:
     threads: int | None = None
     quant: str | None = None  # None: on the CPU, the mode cpu_mode picks for this machine; elsewhere none
     graphs: bool = True
+    compile: bool = True  # CUDA: torch.compile + Triton attention where Triton exists (off: eager ops)
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
     picked: str = ""  # how the CPU mode was chosen
 
@@ -121,7 +122,8 @@ class Engine:
                                  num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
-                                  config.graphs, config.max_active, self.max_model_len, config.fused)
+                                  config.graphs, config.max_active, self.max_model_len, config.fused,
+                                  config.compile)
         self.requests: dict[str, Sequence] = {}
         self.on_schedule: Callable[[Batch], None] | None = None
 

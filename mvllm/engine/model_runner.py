@@ -1,7 +1,9 @@
 """Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples.
 
-On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs; larger
-steps, and every step on CPU and MPS, run eagerly. On x86 CPUs the float32 and bfloat16 Linear layers run
+On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs; with Triton
+(`compile`, the default) every step runs torch.compile'd code whose attention reads the paged cache through
+the block table, graphs or not (engine/cuda_graphs.py). Without it larger steps, and every step on CPU and
+MPS, run eagerly. On x86 CPUs the float32 and bfloat16 Linear layers run
 through oneDNN with pre-packed weights (`quant.pack`); in float32 (and int8w) the rest of each layer runs
 through mvllm's fused CPU kernels where they build (`model/fused.py`; `fused=False` turns them off)."""
 
@@ -13,6 +15,7 @@ from mvllm.engine import cpu_fused
 from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample
 from mvllm.engine.scheduler import Batch
+from mvllm.model import table_attention
 from mvllm.model.attention import build_meta
 from mvllm.model.decoder import Decoder
 
@@ -20,7 +23,7 @@ from mvllm.model.decoder import Decoder
 class ModelRunner:
     def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, num_blocks: int,
                  block_size: int, graphs: bool = False, max_active: int = 4, max_model_len: int = 4096,
-                 fused: bool = True):
+                 fused: bool = True, compiled: bool = True):
         cfg = model.cfg
         if packable(device, dtype):
             pack(model)
@@ -29,11 +32,15 @@ class ModelRunner:
         scratch = num_blocks * block_size  # one extra slot: where padded graph rows write their K/V
         shape = (2, scratch + 1, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.compiled = compiled and table_attention.available(device)
+        self.captured = graphs and device.type == "cuda"
+        self.layout = "fused" if self.fused else "table" if self.compiled else ""
         self.graphs = None
-        if graphs and device.type == "cuda":
+        if self.captured or self.compiled:
             from mvllm.engine.cuda_graphs import GraphRunner
 
-            self.graphs = GraphRunner(model, self.caches, block_size, max_active, max_model_len, scratch)
+            self.graphs = GraphRunner(model, self.caches, block_size, max_active, max_model_len, scratch,
+                                      capture=self.captured, compiled=self.compiled)
 
     @staticmethod
     def kv_bytes_per_token(model_cfg, dtype: torch.dtype) -> int:
@@ -58,6 +65,6 @@ class ModelRunner:
     def forward(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
         positions = [p for a, b in spans for p in range(a, b)]
-        meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device, self.fused)
+        meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device, self.layout)
         as_long = dict(dtype=torch.long, device=self.device)
         return self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), self.caches, meta)

@@ -14,6 +14,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -48,6 +49,7 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
         with lock:
             events.send(msg)
 
+    start = time.perf_counter()
     try:
         engine = Engine(spec.engine_config(model))
     except Exception as e:  # reported to the server as one line
@@ -78,7 +80,7 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
             send(("scheduled", [(s.request_id, s.num_cached_tokens) for s in batch.prefill]))
 
     engine.on_schedule = on_schedule
-    send(("ready", snapshot(engine, spec)))
+    send(("ready", {**snapshot(engine, spec), "ready_s": round(time.perf_counter() - start, 1)}))
     while True:
         try:
             msg = inbox.get(block=not engine.has_unfinished())

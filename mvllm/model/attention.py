@@ -7,7 +7,8 @@ query reads. Three layouts share one entry point:
 - "rows": one query row per token (decode, and the CUDA-graph path for any small batch): row t reads
   gather_index[t] under mask[t];
 - "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq];
-- "fused": the CPU float32 kernels (model/fused.py): each token reads its keys from the paged cache.
+- "fused": the CPU float32 kernels (model/fused.py): each token reads its keys from the paged cache;
+- "table": the same per-token layout for the GPU's compiled path (model/table_attention.py).
 On CPU, "rows" and "paged" read whole blocks (`block_index`, one contiguous copy per block) instead of
 gathering slot by slot, which costs 2-3x more there.
 """
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mvllm.model import table_attention  # noqa: F401  (registers mvllm::table_attention)
 
 
 @dataclass(slots=True)
@@ -32,14 +35,15 @@ class AttnMeta:
     block_index: torch.Tensor | None = None  # on CPU: [B, width] blocks read, replacing gather_index
     block_size: int = 0  # with block_index
     keys_len: int = 0  # with block_index: Lk
-    token_seq: torch.Tensor | None = None  # fused: [T] row of block_index each token belongs to
-    key_len: torch.Tensor | None = None  # fused: [T] keys each token attends to (its position + 1)
+    token_seq: torch.Tensor | None = None  # fused, table: [T] row of block_index each token belongs to
+    key_len: torch.Tensor | None = None  # fused, table: [T] keys each token attends to (its position + 1)
 
 
 def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
-               device: torch.device, fused: bool = False) -> AttnMeta:
+               device: torch.device, layout: str = "") -> AttnMeta:
     """seqs_positions: per sequence (start, end) of the tokens computed now; keys cover [0, end).
-    fused: the CPU kernels' layout (model/fused.py), every token reading the paged cache itself."""
+    layout "fused" or "table": every token reads the paged cache itself through its block table;
+    otherwise the layout that fits the batch."""
     starts = torch.tensor([s for s, _ in seqs_positions])
     ends = torch.tensor([e for _, e in seqs_positions])
     counts = ends - starts
@@ -50,11 +54,11 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
     valid = new < counts.unsqueeze(1)
     slot_mapping = slots.gather(1, (starts.unsqueeze(1) + new).clamp(max=slots.shape[1] - 1))[valid]
     as_long = dict(dtype=torch.long, device=device)
-    if fused:
+    if layout in ("fused", "table"):
         token_seq = torch.arange(len(counts)).repeat_interleave(counts)
         key_len = (starts.unsqueeze(1) + new + 1)[valid]
-        return AttnMeta(slot_mapping, layout="fused", block_index=tables, block_size=block_size,
-                        token_seq=token_seq, key_len=key_len)
+        return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_index=tables.to(**as_long),
+                        block_size=block_size, token_seq=token_seq.to(**as_long), key_len=key_len.to(**as_long))
     if not bool(starts.any()):
         return AttnMeta(slot_mapping.to(**as_long), layout="causal", lengths=counts.tolist())
     lk = int(ends.max())
@@ -81,6 +85,9 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttnMeta, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H * D]."""
+    if meta.layout == "table":
+        return torch.ops.mvllm.table_attention(q, k, v, cache, meta.slot_mapping, meta.block_index, meta.token_seq,
+                                               meta.key_len, meta.block_size, scale)
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
     t, h, d = q.shape

@@ -109,7 +109,9 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
             cluster.wait_ready(ready_timeout)
         app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix,
                         source.config.max_position)
-        names = ", ".join(f"{s.name}={s.device}" for s in specs)
+        ready = {name: info.get("ready_s") for name, info in cluster.snapshots.items()}
+        names = ", ".join(f"{s.name}={s.device}" + (f" ready in {ready[s.name]} s" if ready.get(s.name) else "")
+                          for s in specs)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
