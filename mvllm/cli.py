@@ -185,6 +185,7 @@ def simulate(
     grid: bool = typer.Option(False, "--grid", help="Instead: sweep the CPU's relative speed and the load, and "
                                                     "chart where mixed, eta and the best static split beat "
                                                     "gpu-only (grid.json, grid.png)."),
+    url: str = typer.Option(None, hidden=True),  # bench's option, refused in one line
 ):
     """Predict an experiment from a profile without running it: its workload through the real router and
     policies, each backend modelled by eta's timing model; measured results shown beside where they exist."""
@@ -196,6 +197,9 @@ def simulate(
     from mvllm.simulate import find_profile, measured, table
     from mvllm.simulate import simulate as run
 
+    if url:
+        raise MvllmError("simulate cannot model an external server (--url): it has no profile of its "
+                         "backends; measure it with `mvllm bench --url`, or profile it as a remote backend")
     exp = ex.load(experiment)
     policies = [ex.check_policy(p.strip()) for p in policy.split(",") if p.strip()] if policy else exp.policies
     data = load_profile(find_profile(exp, profile))
