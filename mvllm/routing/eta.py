@@ -29,6 +29,7 @@ class Timing:
     step_s: list[float]  # step_s[b - 1]: seconds per decode step with b running requests, host work included
     prefill_points: list[tuple[int, float]] = field(default_factory=list)  # (uncached tokens, extra seconds)
     request_s: float = 0.0
+    memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_profile(cls, entry: dict) -> Timing | None:
@@ -48,6 +49,13 @@ class Timing:
     @property
     def max_active(self) -> int:
         return len(self.step_s)
+
+    def priced(self, tokens: int) -> float:
+        """prefill_s, remembered per token count: a replay prices the same prompt lengths again and again."""
+        got = self.memo.get(tokens)
+        if got is None:
+            got = self.memo[tokens] = self.prefill_s(tokens)
+        return got
 
     def prefill_s(self, tokens: int) -> float:
         """Extra seconds a step takes for admitting a prompt with `tokens` uncached tokens."""
@@ -85,27 +93,41 @@ def drain_time(timing: Timing, bookings: list[Booking], new: tuple[int, int] | N
 
 def replay(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None, until_all: bool = False) -> float:
     """The FCFS replay both share: the time the new request finishes, or with until_all the last one."""
-    running = [[b.pending_decode, False] for b in bookings if b.active]
-    queue = [(b.pending_prefill, b.pending_decode, False) for b in bookings if not b.active]
+    prefill_s = timing.priced
+    running, queue, t = [], [], 0.0
+    for b in bookings:
+        if b.active:
+            running.append(b.pending_decode)
+            t += prefill_s(b.pending_prefill)
+        else:
+            queue.append((b.pending_prefill, b.pending_decode))
     if new is not None:
-        queue.append((*new, True))
+        queue.append(new)
     if not running and not queue:
         return 0.0
-    t = sum(timing.prefill_s(b.pending_prefill) for b in bookings if b.active)
-    top, head = timing.max_active, 0
+    top, head, mine = timing.max_active, 0, None  # mine: the new request's tokens left, once admitted
+    new_at = len(queue) - 1 if new is not None else -1
     while True:
         while head < len(queue) and len(running) < top:
-            prefill, decode, is_new = queue[head]
+            prefill, decode = queue[head]
+            t += prefill_s(prefill)
+            if head == new_at:
+                mine = decode
+            else:
+                running.append(decode)
             head += 1
-            t += timing.prefill_s(prefill)
-            running.append([decode, is_new])
-        step = timing.step_s[min(len(running), top) - 1]
-        k = min(r[0] for r in running)
+        n = len(running) + (mine is not None)
+        step = timing.step_s[min(n, top) - 1]
+        k = min(running) if running else mine
+        if mine is not None:
+            k = min(k, mine)
         t += k * step
-        for r in running:
-            r[0] -= k
-        if not until_all and any(is_new for left, is_new in running if left <= 0):
-            return t
-        running = [r for r in running if r[0] > 0]
-        if until_all and not running and head == len(queue):
+        if mine is not None:
+            mine -= k
+            if mine <= 0:
+                if not until_all:
+                    return t
+                mine, new_at = None, -1
+        running = [r - k for r in running if r > k]
+        if until_all and not running and mine is None and head == len(queue):
             return t
