@@ -152,3 +152,16 @@ def test_fast_paths_match_eager(model, dtype, path):
     assert eager.engine.scheduler.num_preemptions > 0 and fast.engine.scheduler.num_preemptions > 0
     asked = workload_prompts(vocab, 496)[1:] + churn_prompts(vocab)
     assert_same_or_tie(got, want, asked, eager, exact=dtype == "float32" or path == "plain-graphs")
+
+
+def test_table_layout_through_build_meta_matches_the_standard_layouts(tiny):
+    """The layout profile's accuracy pass uses on the GPU, here through the op's PyTorch reference: the whole
+    text at once and 4 tokens at a time over the cache."""
+    from mvllm.accuracy import logits
+
+    llm = LLM(str(tiny("llama")[0]), dtype="float32", fused=False)
+    ids, cpu = list(range(3, 90)), torch.device("cpu")
+    want = logits(llm.engine.model, ids, cpu, torch.float32, chunk=4)
+    for chunk in (None, 4):
+        got = logits(llm.engine.model, ids, cpu, torch.float32, chunk=chunk, layout="table")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
