@@ -389,8 +389,12 @@ def test_text_only_remote_is_relayed_exactly_and_ids_are_used_where_sent(text_re
     assert body["prompt"] == prompt and body["stream"] and body["return_tokens"] and body["model"] == "smollm2.gguf"
     whole = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64)
     assert whole.choices[0].text == ANSWER and whole.choices[0].finish_reason == "stop"
+    # stop strings make the router hold back text that could start one; the remote's last chunk carries only
+    # its finish_reason, and the held text must still reach the client
+    held = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64, stop=["zzz"])
+    assert held.choices[0].text == ANSWER
     gpu = httpx.get(f"{url}/health").json()["backends"]["gpu"]
-    assert gpu["relay"] == "text" and gpu["text_tokens"] == {"remote": 2 * remote, "relayed": 2 * remote,
+    assert gpu["relay"] == "text" and gpu["text_tokens"] == {"remote": 3 * remote, "relayed": 3 * remote,
                                                              "mismatches": 0}
     state["ids"] = True  # llama.cpp's `tokens` (return_tokens): the ids are used, the text ("?") is not
     ids = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64)

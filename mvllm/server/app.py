@@ -204,6 +204,8 @@ class Run:
                 yield text, [ev.token]
             if ev.finish_reason:
                 self.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
+                if ev.token is None and (held := self.detok.flush()):
+                    yield held, []
                 self._observe()
                 return
 

@@ -40,6 +40,18 @@ class Detokenizer:
                 return self._send(at), True
         return self._send(len(self.decoded) if final else max(len(self.decoded) - self.hold, self.sent)), False
 
+    def flush(self) -> str:
+        """The text held back (a possible start of a stop string, an incomplete character) once the output
+        ended without a token of its own (a remote's last chunk may carry only its finish_reason)."""
+        if self.tokenizer.hf is None:
+            return ""
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        if len(window) > len(done):
+            self.decoded += window[len(done):]
+            self.prefix = self.read = len(self.ids)
+        return self._send(len(self.decoded))
+
     def _send(self, upto: int) -> str:
         out = self.decoded[self.sent:upto]
         self.sent = max(self.sent, upto)
