@@ -113,3 +113,26 @@ def smollm2_hf(smollm2):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2.engine.source.path, dtype=torch.float32).eval()
+
+
+def start_long_stream(url: str, model: str, max_tokens: int, timeout: float):
+    """Stream one long completion in a thread; returns (thread, its SSE data lines, an Event set at the first
+    line). Fault tests kill its backend mid-stream."""
+    import threading
+
+    import httpx
+
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    def run():
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    streaming.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, lines, streaming

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+from conftest import start_long_stream
 
 from mvllm.bench.process import ServerProcess
 
@@ -31,24 +32,12 @@ def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
     server.wait_ready(180)
     try:
         pids = {b["name"]: b["pid"] for b in httpx.get(f"{server.url}/v1/backends").json()}
-        lines: list[str] = []
-        streaming = threading.Event()
-
-        def long_stream():
-            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line[6:])
-                        streaming.set()
-
         queued: dict[int, httpx.Response] = {}
 
         def one(i: int):
             queued[i] = post(server.url, prefix + [i, i + 1], 6)
 
-        stream = threading.Thread(target=long_stream)
-        stream.start()
+        stream, lines, streaming = start_long_stream(server.url, MODEL, 3000, 120)
         assert streaming.wait(60)
         waiting = [threading.Thread(target=one, args=(i,)) for i in range(3)]
         for t in waiting:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import start_long_stream
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from openai import OpenAI
@@ -193,24 +194,12 @@ def test_bench_mixes_a_remote_and_a_local_backend(servers, tmp_path):
 
 def test_killed_remote_reroutes_unstarted_ends_streams_and_comes_back(servers):
     a, b, router = servers["a"], servers["b"], servers["router"]
-    lines: list[str] = []
-    streaming = threading.Event()
-
-    def long_stream():
-        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line[6:])
-                    streaming.set()
-
     queued: dict[int, object] = {}
 
     def one(i: int):
         queued[i] = greedy(router, PREFIX + [i], 5)
 
-    stream = threading.Thread(target=long_stream)
-    stream.start()
+    stream, lines, streaming = start_long_stream(router.url, MODEL, 2000, 60)
     assert streaming.wait(30)
     waiting = [threading.Thread(target=one, args=(i,)) for i in range(2)]
     for t in waiting:
