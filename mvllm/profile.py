@@ -208,8 +208,8 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
         if spec.remote:  # another server: measured from outside over HTTP (profile_remote.py)
             from mvllm.profile_remote import measure_remote
 
-            profile["backends"][spec.name] = measure_remote(spec, source.config.vocab_size, lengths, repeats, steps,
-                                                            progress)
+            profile["backends"][spec.name] = measure_remote(spec, model, source.config.vocab_size, lengths, repeats,
+                                                            steps, progress)
             continue
         torch.set_num_threads(spec.threads or default_threads)
         entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference)

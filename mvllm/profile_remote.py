@@ -19,6 +19,7 @@ import time
 import httpx
 
 from mvllm.backends import BackendSpec
+from mvllm.errors import MvllmError
 from mvllm.profile import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW, Progress, Tokens, choose_rates
 from mvllm.server.remote import RemoteBackend, remote_message
 
@@ -72,9 +73,9 @@ def decode_steps(runs: list[list[float]]) -> list[float]:
     return gaps
 
 
-async def measure(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repeats: int, steps: int,
+async def measure(spec: BackendSpec, model: str, vocab: int, lengths: tuple[int, ...], repeats: int, steps: int,
                   progress: Progress) -> dict:
-    handle = RemoteBackend(spec, "")
+    handle = RemoteBackend(spec, model)  # the model spec: the tokenizer a text-only remote's chunks need
     await asyncio.to_thread(handle.wait_ready, 30.0)
     tokens = Tokens(vocab, seed=int.from_bytes(os.urandom(4), "little"))  # a remote outlives this run: new
     # prompts each time, or a second profile would find the first one's prompts cached
@@ -119,6 +120,9 @@ async def measure(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repea
     return out
 
 
-def measure_remote(spec: BackendSpec, vocab: int, lengths: tuple[int, ...], repeats: int, steps: int,
+def measure_remote(spec: BackendSpec, model: str, vocab: int, lengths: tuple[int, ...], repeats: int, steps: int,
                    progress: Progress) -> dict:
-    return asyncio.run(measure(spec, vocab, lengths, repeats, steps, progress))
+    try:
+        return asyncio.run(measure(spec, model, vocab, lengths, repeats, steps, progress))
+    except httpx.HTTPError as e:  # one line: the remote's own message (e.g. a context shorter than a length)
+        raise MvllmError(f"backend {spec.name}: the remote failed a profiling request: {e}") from None
