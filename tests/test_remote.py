@@ -317,6 +317,7 @@ def text_remote():
     cluster.wait_ready(10)
     app = build_app(cluster, Tokenizer(hf, SMOLLM2), SMOLLM2, resolve(SMOLLM2).config.vocab_size, context=2048)
     router = serve_in_thread(app)
+    state["url"] = fake[2]
     yield state, router[2], hf
     for server, thread, _ in (router, fake):
         server.should_exit = True
@@ -389,3 +390,13 @@ def test_text_only_remote_is_relayed_exactly_and_ids_are_used_where_sent(text_re
     ids = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64)
     assert ids.choices[0].text == ANSWER and ids.choices[0].token_ids == [t for _, c in state["chunks"] for t in c]
     assert httpx.get(f"{url}/health").json()["backends"]["gpu"]["relay"] == "token_ids"
+
+
+@needs_smollm2
+def test_a_text_only_remote_is_profiled_from_outside(text_remote):
+    from mvllm.profile import run_profile
+
+    state, _, _ = text_remote
+    entry = run_profile(SMOLLM2, parse_backends(f"r={state['url']}/max_active=2"), (16,), 1, 4)["backends"]["r"]
+    assert entry["remote"] and [d["batch"] for d in entry["decode"]] == [1, 2]
+    assert entry["prefill_rate"] > 0 and all(d["step_ms"] > 0 for d in entry["decode"])
