@@ -33,7 +33,7 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
     run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "results/$2"
 }
 if [[ ! -f $profile ]]; then  # GPU up to 16 active (the concurrency sweep's largest), CPU as served
-    run 150 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
+    run 240 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
         --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
 fi
 case $stage in
