@@ -23,7 +23,9 @@ except ImportError:  # CPU builds of torch ship without Triton
 
 
 def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
+    """Triton is installed and the GPU has bf16 tensor cores (compute capability 8.0, Ampere, or newer);
+    elsewhere the GPU backend runs its plain path."""
+    return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @torch.library.custom_op("mvllm::table_attention", mutates_args=("cache",))
