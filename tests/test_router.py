@@ -162,7 +162,7 @@ def test_makespan_policy_keeps_the_batch_end_earliest_where_eta_would_not():
     from mvllm.routing.cost import Candidate
     from mvllm.routing.policies import make_policy
 
-    gpu = Candidate("gpu", 0, 0, 1.0, 1.0, 0, eta=5.0, drain=5.0, idle_drain=4.9)
+    gpu = Candidate("gpu", 0, 0, 1.0, 10.0, 0, eta=5.0, drain=5.0, idle_drain=4.9)
     cpu = Candidate("cpu", 0, 0, 1.0, 1.0, 0, eta=4.0, drain=8.0, idle_drain=7.9)
     cands = {"gpu": gpu, "cpu": cpu}
     assert make_policy("eta", ["gpu", "cpu"]).choose(["gpu", "cpu"], cands) == "cpu"
@@ -182,3 +182,19 @@ def test_drain_time_is_when_the_last_booked_request_ends():
     # prefill of a, then b; 10 steps of a+b; prefill of c; 10 steps of a+c; a alone for its last 80
     assert end == pytest.approx(0.01 + 0.01 + 10 * 0.02 + 0.01 + 10 * 0.02 + 80 * 0.01)
     assert finish_time(timing, booked, 10, 5) < drain_time(timing, booked, (10, 5))
+
+
+def test_eta_keeps_a_request_home_unless_elsewhere_is_clearly_sooner():
+    """Home is the backend of the highest profiled throughput; another backend wins only when it is predicted
+    to finish the request more than ETA_MARGIN sooner (a smaller gain is inside the model's error)."""
+    from mvllm.routing.cost import Candidate
+    from mvllm.routing.policies import ETA_MARGIN, make_policy
+
+    eta = make_policy("eta", ["gpu", "cpu"])
+    gpu = Candidate("gpu", 0, 0, 1.0, 1600.0, 0, eta=1.0)
+    cpu = Candidate("cpu", 0, 0, 1.0, 150.0, 0, eta=1.0 / (1 + ETA_MARGIN) + 1e-6)
+    cands = {"gpu": gpu, "cpu": cpu}
+    assert eta.choose(["gpu", "cpu"], cands) == "gpu"  # 4.99% sooner on the cpu: stays
+    cpu.eta = 1.0 / (1 + ETA_MARGIN) - 1e-3
+    assert eta.choose(["gpu", "cpu"], cands) == "cpu"  # clearly sooner: moves
+    assert eta.choose(["cpu"], cands) == "cpu"  # the home backend is among the alive ones

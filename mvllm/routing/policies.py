@@ -5,6 +5,7 @@ from __future__ import annotations
 from mvllm.errors import InvalidRequestError
 from mvllm.routing.cost import Candidate
 
+ETA_MARGIN = 0.05  # the simulator's makespan error bar against the measured runs (issue 13)
 POLICIES = ("mixed", "eta", "makespan", "gpu-only", "cpu-only", "round-robin", "split:K")
 
 
@@ -24,12 +25,17 @@ class Mixed(Policy):
 
 
 class Eta(Policy):
-    """The backend where the request is predicted to finish first (see routing/eta.py)."""
+    """The backend where the request is predicted to finish first (see routing/eta.py), but a request stays on
+    the home backend, the one of the highest profiled throughput (the GPU, where there is one), unless another
+    is predicted to finish it more than ETA_MARGIN sooner: a gain smaller than the model's error is not worth
+    moving a request (a fast CPU at low load would take requests for nothing but a later first token)."""
 
     name, needs_scores = "eta", True
 
     def choose(self, alive, candidates):
-        return min(alive, key=lambda b: candidates[b].eta)
+        best = min(alive, key=lambda b: candidates[b].eta)
+        home = max(alive, key=lambda b: candidates[b].decode_rate)
+        return home if candidates[home].eta <= candidates[best].eta * (1 + ETA_MARGIN) else best
 
 
 class Makespan(Policy):
