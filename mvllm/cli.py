@@ -100,12 +100,17 @@ def profile(
     max_active: int = typer.Option(None, help="Override every backend's max_active (decode batches 1..N)."),
     accuracy: bool = typer.Option(True, help="Also measure each backend's mean KL and top-1 agreement against "
                                              "the float32 model on a fixed English text (real weights only)."),
+    serving: bool = typer.Option(False, "--serving", help="Then start the backends as `mvllm serve` does and "
+                                                          "measure each one's serving overheads over HTTP, the "
+                                                          "others busy (request_ms, step_ms: what eta and "
+                                                          "`mvllm simulate` add to the profile's times)."),
 ):
     """Measure each backend alone: cold and warm prefill, decode step time at every batch size, the
     prefill_rate/decode_rate the router uses, and accuracy against float32, into one JSON profile."""
     from mvllm.profile import cli_profile
 
-    cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console, accuracy)
+    cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console, accuracy,
+                serving)
 
 
 @app.command()

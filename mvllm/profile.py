@@ -228,6 +228,21 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
     return profile
 
 
+def add_serving(profile: dict, model: str, text: str, specs: list[BackendSpec], repeats: int, steps: int,
+                progress: Progress) -> dict:
+    """--serving: each local backend's serving overheads, measured through `mvllm serve` (profile_serving.py)."""
+    from mvllm.profile_serving import measure_serving
+
+    source = resolve(model)
+    start = time.perf_counter()
+    found = measure_serving(model, text, specs, profile, Tokens(source.config.vocab_size, seed=1), repeats, steps,
+                            source.config.max_position, progress)
+    for name, block in found.items():
+        profile["backends"][name]["serving"] = block
+    profile["serving_s"] = round(time.perf_counter() - start, 1)
+    return profile
+
+
 def validate(profile, where: str) -> dict:
     if not isinstance(profile, dict) or not isinstance(profile.get("backends"), dict) or not profile["backends"]:
         raise MvllmError(f"{where} is not a profile: it needs a non-empty \"backends\" object")
@@ -305,14 +320,15 @@ def accuracy_cells(acc: dict) -> tuple[str, str, str, str]:
 
 def cli_profile(model: str, backends: str | None, out: str | None, json_out: bool, baseline: str | None,
                 lengths: str, repeats: int, steps: int, max_active: int | None, console,
-                accuracy: bool = True) -> dict:
+                accuracy: bool = True, serving: bool = False) -> dict:
     from rich.progress import Progress as Bar
     from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from mvllm.backends import default_backends, parse_backends
     from mvllm.errors import InvalidRequestError
 
-    specs = parse_backends(backends or default_backends(), max_active)
+    text = backends or default_backends()
+    specs = parse_backends(text, max_active)
     if baseline not in (None, "transformers"):
         raise InvalidRequestError(f"unknown baseline {baseline!r}; the one known is 'transformers'", "baseline")
     try:
@@ -325,7 +341,9 @@ def cli_profile(model: str, backends: str | None, out: str | None, json_out: boo
              transient=True) as bar:
         task = bar.add_task("profiling", total=None)
         result = run_profile(model, specs, sizes, repeats, steps, baseline,
-                             lambda text: bar.update(task, description=text), accuracy)
+                             lambda line: bar.update(task, description=line), accuracy)
+        if serving:
+            add_serving(result, model, text, specs, repeats, steps, lambda line: bar.update(task, description=line))
     console.print(table(result))
     if out:
         console.print(f"wrote {save_profile(result, out)}", highlight=False)

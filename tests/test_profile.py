@@ -54,6 +54,49 @@ def test_profile_writes_the_contract(profiled):
         assert ratio == pytest.approx(b["decode"][-1]["tok_s"] / runs["decode"][-1]["tok_s"])
 
 
+def test_profile_without_serving_has_no_serving_block(profiled):
+    data = json.loads(profiled.read_text())
+    assert "serving_s" not in data
+    assert all("serving" not in b for b in data["backends"].values())
+
+
+def test_serving_overheads_measured_through_the_server(tmp_path):
+    """--serving: each backend's request_ms/step_ms through a real `mvllm serve`, the other backend busy."""
+    from mvllm.routing.eta import Timing
+
+    out = tmp_path / "serving.json"
+    res = runner.invoke(app, ["profile", "--model", TINY, "--backends", "gpu=cpu/threads=1,cpu=cpu/threads=1",
+                              "--lengths", "16", "--repeats", "1", "--steps", "2", "--max-active", "2",
+                              "--no-accuracy", "--serving", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = load_profile(out)
+    assert 0 < data["serving_s"] < 60
+    for name, b in data["backends"].items():
+        s = b["serving"]
+        assert 0 <= s["request_ms"] < 500 and 0 <= s["step_ms"] < 100, (name, s)
+        m = s["measured"]
+        assert m["served_as"] == name and m["others_busy"] == [{"gpu": "cpu", "cpu": "gpu"}[name]]
+        assert len(m["ttft_ms"]) == 3 and m["uncached_tokens"] == 20  # the 496-token prefix was cached
+        assert set(m["served_gap_ms"]) == {"1", "2"} and all(g > 0 for g in m["served_gap_ms"].values())
+        assert s["step_ms"] == pytest.approx(max(0.0, sum(m["host_ms"].values()) / 2), abs=1e-2)
+        assert "every other backend decodes" in s["rule"]
+        bare = Timing.from_profile({k: v for k, v in b.items() if k != "serving"})
+        timing = Timing.from_profile(b)
+        assert timing.request_s == pytest.approx(s["request_ms"] / 1000)
+        assert timing.step_s[0] - bare.step_s[0] == pytest.approx(s["step_ms"] / 1000)
+
+
+def test_serving_roles():
+    from mvllm.backends import parse_backends
+    from mvllm.profile_serving import roles, served_backends
+
+    assert roles(["cpu", "gpu"]) == {"cpu": "cpu", "gpu": "gpu"}
+    assert roles(["fast", "cpu", "slow"]) == {"fast": "gpu", "cpu": "cpu", "slow": "slow"}
+    text = "a=cpu/threads=1/max_active=3,b=cpu"
+    specs = parse_backends(text, 2)
+    assert served_backends(specs, text, roles(["a", "b"])) == "gpu=cpu/threads=1/max_active=3,cpu=cpu/max_active=2"
+
+
 def test_hand_written_profile_loads(tmp_path):
     path = tmp_path / "hand.json"
     path.write_text(json.dumps({"backends": {"gpu": {"prefill_rate": 2551, "decode_rate": 293},
