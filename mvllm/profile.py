@@ -283,8 +283,9 @@ def table(profile: dict):
     from rich.table import Table
 
     t = Table(title=f"mvllm profile: {profile['model']}")
+    serving = any("serving" in b for b in profile["backends"].values())
     for col in ("backend", "setting", "cold prefill tok/s (length)", "warm ms", "decode ms/step (batch 1..n)",
-                "prefill_rate", "decode_rate", "ready s"):
+                "prefill_rate", "decode_rate", "ready s") + (("serving ms (request, step)",) if serving else ()):
         t.add_column(col, justify="left" if col in ("backend", "setting") else "right")
     accuracy = Table(title="accuracy against float32 (mean KL, nats/token)")
     for col in ("backend", "KL prefill", "KL decode", "top-1", "verdict"):
@@ -300,8 +301,10 @@ def table(profile: dict):
                        for d in b.get("decode", []))
         setting = (f"{b.get('device', '?')} {b.get('dtype', '')} {b.get('quant', '')} x{b.get('threads', '')}"
                    if not b.get("remote") else f"{b['device']} (over HTTP)")
+        over = b.get("serving")
         t.add_row(name, setting, cold, warm, dec, f"{b['prefill_rate']:.0f}", f"{b['decode_rate']:.1f}",
-                  str(b.get("ready_s", "-")))
+                  str(b.get("ready_s", "-")),
+                  *((f"{over['request_ms']:.1f}, {over['step_ms']:.2f}" if over else "-",) if serving else ()))
         if b.get("accuracy"):
             accuracy.add_row(name, *accuracy_cells(b["accuracy"]))
         got = b.get("baseline", {}).get("ratios", {})

@@ -9,9 +9,9 @@ Per backend:
   served inter-token time (per request, while all b requests decode; median over requests) minus the
   profiled decode step_ms at that batch, clamped at 0;
 - request_ms: the time a request spends outside the backend (HTTP, routing, pipes, the first chunk back):
-  the median served TTFT of a lone request of 20 new tokens after a cached prefix, minus what the timing
-  model prices for it in-process (its prefill, then one decode step) and minus step_ms, clamped at 0; so
-  eta and the simulator (mvllm/routing/eta.py) predict that request's served TTFT.
+  the median served TTFT of a lone request of 20 new tokens after a cached prefix (3 x repeats of them, at
+  least 5), minus what the timing model prices for it in-process (its prefill, then one decode step) and
+  minus step_ms, clamped at 0; so eta and the simulator (mvllm/routing/eta.py) predict that served TTFT.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ async def measure_one(client: Client, role: str, spec: BackendSpec, entry: dict,
     await client.run([client.tokens(WARM_NEW)], 2, role)  # a fresh server's first request pays a warm-up
 
     lone, uncached, busy = [], [], []
-    n = max(repeats, 3)
+    n = max(3 * repeats, 5)  # cheap (a 20-token prefill each), and TTFT is the noisier of the two
     est = n * (timing.prefill_s(WARM_NEW) + timing.step_s[0] + 0.05)
     async with Load(client, others, load_tokens(est)) as load:
         await client.pin(role)
