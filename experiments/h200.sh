@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The runs behind results/ on the H200 machine, in stages that each fit one 10-minute device call:
+#   bash experiments/h200.sh p   # the serving profile alone (with --serving: its overheads measured through a server)
 #   bash experiments/h200.sh t   # GPU tests (compiled, graphs and eager paths; ~5 min with an empty compile cache)
 #   bash experiments/h200.sh a   # the serving profile, paper-8, paper-48 (with the oracle)
 #   bash experiments/h200.sh b   # GPU concurrency sweep
@@ -14,7 +15,7 @@
 # Every stage writes results/<experiment>/ plus a log in results/h200-logs/, and stops each step before
 # the stage's time (STAGE_S, default 570 s) runs out, so what finished is always kept.
 set -u
-stage=${1:?stage t, a, b, c, d or e}
+stage=${1:?stage p, t, a, b, c, d or e}
 budget=${STAGE_S:-570}
 logs=results/h200-logs
 mkdir -p "$logs"
@@ -33,10 +34,11 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
     run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "results/$2"
 }
 if [[ ! -f $profile ]]; then  # GPU up to 16 active (the concurrency sweep's largest), CPU as served
-    run 240 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
+    run 480 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 --serving \
         --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
 fi
 case $stage in
+p) ;;  # the profile above
 t)
     run 540 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py ;;
 a)
