@@ -204,3 +204,17 @@ def default_backends() -> str:
     if torch.backends.mps.is_available():
         return "gpu=mps,cpu=cpu"
     return "gpu=cpu,cpu=cpu"
+
+
+def share_cores(specs: list[BackendSpec]) -> None:
+    """Share the cores as `serve` runs the backends, each in its own process: CPU backends without a thread
+    count split what the GPU workers (one thread each) leave. `profile` applies the same split, so a
+    backend is measured with the threads it will be served with."""
+    local = [s for s in specs if not s.remote]  # a remote backend's threads are another machine's
+    cpu = [s for s in local if s.device == "cpu" and s.threads is None]
+    others = len(local) - len([s for s in local if s.device == "cpu"])
+    for s in cpu:
+        s.threads = max(1, ((os.cpu_count() or 1) - others) // len(cpu))
+    for s in local:
+        if s.device != "cpu" and s.threads is None:
+            s.threads = 1

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mvllm.accuracy import SYNTHETIC_NOTE, Reference
-from mvllm.backends import BackendSpec
+from mvllm.backends import BackendSpec, share_cores
 from mvllm.bench.env import cpu_name, git_commit
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
@@ -202,6 +202,7 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
         progress("accuracy: the float32 reference over the evaluation text")
         reference = Reference(source)
     default_threads = torch.get_num_threads()
+    share_cores(specs)  # each backend measured with the threads `serve` gives it
     profile = {"model": model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "environment": environment(model), "backends": {}}
     for spec in specs:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from mvllm.cli import app
 from mvllm.errors import MvllmError
-from mvllm.profile import load_profile
+from mvllm.profile import load_profile, run_profile
 
 runner = CliRunner()
 TINY = "synthetic:tiny-qwen2"
@@ -159,3 +159,25 @@ def test_baseline_model_carries_mvllm_weights():
     out = LLM("synthetic:tiny-llama", dtype="float32", num_blocks=16).generate(
         [prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == ref
+
+
+def test_profile_measures_each_backend_with_the_threads_serve_gives_it(monkeypatch):
+    """serve runs each backend in its own process and splits the cores between CPU backends without a thread
+    count (a GPU worker keeps one); profile applies the same split, or it would promise the speed of all the
+    cores to each backend."""
+    from mvllm.backends import parse_backends, share_cores
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    specs = parse_backends("gpu=cpu,cpu=cpu,x=cpu/threads=3", check_devices=False)
+    share_cores(specs)
+    assert [s.threads for s in specs] == [8, 8, 3]
+    specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
+    share_cores(specs)
+    assert [s.threads for s in specs] == [1, 15]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    torch.set_num_threads(2)  # what profile would otherwise give each backend here
+    try:
+        entry = run_profile(TINY, parse_backends("gpu=cpu,cpu=cpu"), (16,), 1, 2, accuracy=False)["backends"]
+    finally:
+        torch.set_num_threads(1)
+    assert entry["gpu"]["threads"] == entry["cpu"]["threads"] == 1

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from rich.console import Console
 
-from mvllm.backends import BackendSpec, parse_backends
+from mvllm.backends import BackendSpec, parse_backends, share_cores
 from mvllm.engine.quant import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.llm import Tokenizer
@@ -61,18 +60,6 @@ def read_prefix(path: str | None) -> str | list[int] | None:
     raise InvalidRequestError(f"{path}: a warm prefix is text or a JSON list of token ids", "warm_prefix")
 
 
-def default_threads(specs: list[BackendSpec]) -> None:
-    """Share the cores: CPU backends without a thread count split what the GPU workers leave."""
-    local = [s for s in specs if not s.remote]  # a remote backend's threads are another machine's
-    cpu = [s for s in local if s.device == "cpu" and s.threads is None]
-    others = len(local) - len([s for s in local if s.device == "cpu"])
-    for s in cpu:
-        s.threads = max(1, ((os.cpu_count() or 1) - others) // len(cpu))
-    for s in local:
-        if s.device != "cpu" and s.threads is None:
-            s.threads = 1
-
-
 def lossy_warnings(specs: list[BackendSpec]) -> list[str]:
     """One line per backend whose mode fails the accuracy bound (mvllm/accuracy.py)."""
     return [f"backend {s.name} runs quant={s.quant}, which changes the model's answers (mean KL 1.0 nats/token "
@@ -102,7 +89,7 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
     tokenizer = Tokenizer(load_tokenizer(source), model)
     if prefix is not None:
         tokenizer.encode(prefix)
-    default_threads(specs)
+    share_cores(specs)
     cluster = Cluster(specs, model, router, restart=restart_backends, ready_timeout=ready_timeout)
     try:
         with console.status(f"starting {len(specs)} backends for {model}"):
