@@ -168,9 +168,10 @@ async def measure_one(client: Client, role: str, spec: BackendSpec, entry: dict,
             uncached.append(rec.prompt_tokens - (rec.cached_tokens or 0))
         busy.append(load.busy())
     gaps = {}
-    stagger = 0.1 + 2 * max((load_steps[r] for r in others), default=0.0)  # between a batch's admissions
+    # between a batch's admissions: HTTP, routing and the other backends' steps, with room for a loaded host
+    stagger = 0.3 + 4 * max((load_steps[r] for r in others), default=0.0)
     for b in sorted({1, top}):
-        length = steps + 4 + math.ceil(stagger / (step_ms[b] / 1000))
+        length = min(steps + 4 + math.ceil(stagger / (step_ms[b] / 1000)), max_len - DECODE_PREFIX - DECODE_NEW - 1)
         async with Load(client, others, load_tokens(length * step_ms[b] / 1000 * 2 + 0.2)) as load:
             await client.pin(role)
             recs = await client.run([decode_prefix + client.tokens(DECODE_NEW) for _ in range(b)], length, role)
