@@ -276,7 +276,7 @@ def fake_llamacpp(state: dict):
             for text, ids in state["chunks"]:
                 choice = {"text": "?" if state["ids"] else text, "index": 0, "logprobs": None, "finish_reason": None}
                 yield line(head | {"choices": [choice]} | ({"tokens": ids} if state["ids"] else {}))
-                await asyncio.sleep(0)
+                await asyncio.sleep(state.get("delay", 0))
             yield line(head | {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "stop"}]})
             n = sum(len(ids) for _, ids in state["chunks"])
             yield line(head | {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": len(body["prompt"]),
@@ -397,6 +397,7 @@ def test_a_text_only_remote_is_profiled_from_outside(text_remote):
     from mvllm.profile import run_profile
 
     state, _, _ = text_remote
+    state["delay"] = 0.003  # a step time: concurrent streams overlap, as on a real server
     entry = run_profile(SMOLLM2, parse_backends(f"r={state['url']}/max_active=2"), (16,), 1, 4)["backends"]["r"]
     assert entry["remote"] and [d["batch"] for d in entry["decode"]] == [1, 2]
     assert entry["prefill_rate"] > 0 and all(d["step_ms"] > 0 for d in entry["decode"])
