@@ -171,12 +171,19 @@ async def measure_one(client: Client, role: str, spec: BackendSpec, entry: dict,
     # between a batch's admissions: HTTP, routing and the other backends' steps, with room for a loaded host
     stagger = 0.3 + 4 * max((load_steps[r] for r in others), default=0.0)
     for b in sorted({1, top}):
-        length = min(steps + 4 + math.ceil(stagger / (step_ms[b] / 1000)), max_len - DECODE_PREFIX - DECODE_NEW - 1)
-        async with Load(client, others, load_tokens(length * step_ms[b] / 1000 * 2 + 0.2)) as load:
-            await client.pin(role)
-            recs = await client.run([decode_prefix + client.tokens(DECODE_NEW) for _ in range(b)], length, role)
-            busy.append(load.busy())
-        gaps[b] = 1000 * decode_gap_s(recs)
+        for attempt in range(3):  # a loaded host may admit a batch's requests too far apart: longer each time
+            length = min(steps + 4 + math.ceil((2 ** attempt) * stagger / (step_ms[b] / 1000)),
+                         max_len - DECODE_PREFIX - DECODE_NEW - 1)
+            async with Load(client, others, load_tokens(length * step_ms[b] / 1000 * 2 + 0.2)) as load:
+                await client.pin(role)
+                recs = await client.run([decode_prefix + client.tokens(DECODE_NEW) for _ in range(b)], length, role)
+                busy.append(load.busy())
+            try:
+                gaps[b] = 1000 * decode_gap_s(recs)
+                break
+            except ServingError:
+                if attempt == 2:
+                    raise
     host = {b: gaps[b] - step_ms[b] for b in gaps}
     step = max(0.0, statistics.mean(host.values()))
     tokens = round(statistics.median(uncached))
