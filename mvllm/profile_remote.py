@@ -105,11 +105,15 @@ async def measure(spec: BackendSpec, model: str, vocab: int, lengths: tuple[int,
         await remote.ttft(prefix)
         for b in range(1, spec.max_active + 1):
             progress(f"{spec.name}: decode, {b} concurrent stream(s)")
-            gaps = []
-            for _ in range(max(repeats // 2, 1)):
-                runs = await asyncio.gather(*(remote.stream(prefix + tokens(DECODE_NEW), 2 * steps + 8)
-                                              for _ in range(b)))
-                gaps += decode_steps(runs)
+            gaps, length = [], 2 * steps + 8
+            for _ in range(3):  # streams that never decoded together (admitted too far apart): longer ones
+                for _ in range(max(repeats // 2, 1)):
+                    runs = await asyncio.gather(*(remote.stream(prefix + tokens(DECODE_NEW), length)
+                                                  for _ in range(b)))
+                    gaps += decode_steps(runs)
+                if gaps or DECODE_PREFIX + DECODE_NEW + 2 * length >= max_len:
+                    break
+                length *= 2
             if not gaps:
                 continue
             ms = 1000 * statistics.median(gaps)
