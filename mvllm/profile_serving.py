@@ -31,12 +31,11 @@ from mvllm.bench.metrics import RequestRecord
 from mvllm.bench.process import ServerProcess
 from mvllm.bench.workload import Request
 from mvllm.errors import MvllmError
+from mvllm.profile import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW  # as the profile's own steps
 from mvllm.routing.eta import Timing
 
 RULE = " ".join(__doc__.split("\n\n")[1].split())
 ROLES = ("gpu", "cpu")  # the names a policy can pin: gpu-only, cpu-only (mvllm/routing/policies.py)
-WARM_CACHED, WARM_NEW = 496, 20  # as the profile's warm prefill
-DECODE_PREFIX, DECODE_NEW = 560, 4  # as the profile's decode steps
 LOAD_PROMPT = 16
 
 
