@@ -65,7 +65,7 @@ class GraphRunner:
             self.hidden = torch.zeros(t_max, model.cfg.hidden_size, dtype=caches[0].dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.steps = self.replays = 0
-        self.step = self._table_step if compiled else None
+        self.step = None
         if compiled:
             use_compile_cache()
             self.step = torch.compile(self._table_step, dynamic=True, fullgraph=True)
@@ -138,13 +138,11 @@ class GraphRunner:
         t_pad, _ = key
         rows = sum(b - a for a, b in spans)
         self.steps += 1
-        if t_pad > self.token_buckets[-1]:  # compiled, beyond the buckets: no graph, only the blocks used
-            width = max(2, max(len(s.block_table) for s in seqs))
-            x = torch.from_numpy(self.pack(seqs, spans, t_pad, width)).to(self.hidden.device)
+        used = max(2, max(len(s.block_table) for s in seqs))  # table columns past a row's context are never read
+        if t_pad > self.token_buckets[-1]:  # compiled, beyond the buckets: no graph, only the columns used
+            x = torch.from_numpy(self.pack(seqs, spans, t_pad, used)).to(self.hidden.device)
             return self.step(x)[:rows]
-        width = self.width
-        if self.compiled:  # table rows past a row's context are never read: copy only the columns used
-            width = min(self.width, max(2, max(len(s.block_table) for s in seqs)))
+        width = min(self.width, used) if self.compiled else self.width  # plain: the whole row, as before
         self.inputs[t_pad][:, :4 + width].copy_(torch.from_numpy(self.pack(seqs, spans, t_pad, width)))
         graph = self.graphs.get(key)
         if graph is None:  # not captured (tests on CPU run the same layout eagerly)

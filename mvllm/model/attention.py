@@ -2,7 +2,7 @@
 
 The cache of one layer is a tensor [2, num_slots, kv_heads, head_dim]; slot = block * block_size + offset.
 A batch is flattened to T tokens; `AttnMeta` says where each new token's K/V goes and which slots each
-query reads. Three layouts share one entry point:
+query reads. These layouts share one entry point:
 - "causal": every sequence starts cold; each attends to its own new K/V with is_causal SDPA (no gather);
 - "rows": one query row per token (decode, and the CUDA-graph path for any small batch): row t reads
   gather_index[t] under mask[t];
