@@ -1,5 +1,7 @@
 """Issue 13, part 6: the simulator's prediction of paper-8, paper-48 and gpu-serial with the compiled GPU
-backend of issue 11, committed before those experiments are run on it.
+backend of issue 11, committed before those experiments are run on it. Added before the same runs (and still
+before any of them): `makespan` and gpu-serial's split:K oracle, sweep-rate at the new GPU's capacity (12, 18
+and 24 req/s for 30 s) and sweep-hit-rate; the first prediction's numbers are unchanged.
 
     .venv/bin/python experiments/predict_compiled_gpu.py
 
@@ -25,7 +27,7 @@ from mvllm.bench.experiment import load  # noqa: E402
 from mvllm.simulate import simulate  # noqa: E402
 from mvllm.simulate_proof import with_serving  # noqa: E402
 
-KEYS = ("backend_requests", "duration", "median_ttft_ms", "p95_ttft_ms", "median_e2el_ms", "p95_e2el_ms")
+KEYS = ("value", "backend_requests", "duration", "median_ttft_ms", "p95_ttft_ms", "median_e2el_ms", "p95_e2el_ms")
 
 
 def profile() -> dict:
@@ -45,14 +47,16 @@ def main() -> None:
            "profile": {"gpu": "results/profile/h200-gpu-compiled.json", "cpu": "results/paper-48/profile.json",
                        "serving": "results/simulate/serving.json"},
            "experiments": {}}
-    for name in ("paper-8", "paper-48", "gpu-serial"):
+    for name in ("paper-8", "paper-48", "gpu-serial", "sweep-rate", "sweep-hit-rate"):
         exp = load(ROOT / "experiments" / f"{name}.toml")
         rows = simulate(exp, data, exp.policies, None)
-        out["experiments"][name] = {r["policy"]: {k: r.get(k) for k in KEYS} for r in rows}
-        gpu_only = out["experiments"][name]["gpu-only"]["duration"]
+        cells = {(r["policy"] if r["value"] is None else f"{r['value']} {r['policy']}"): {k: r.get(k) for k in KEYS}
+                 for r in rows}
+        out["experiments"][name] = cells
         print(f"{name}:")
-        for policy, r in out["experiments"][name].items():
-            print(f"  {policy:10} makespan {r['duration']:6.2f} s ({100 * (r['duration'] / gpu_only - 1):+6.1f}%)  "
+        for label, r in cells.items():
+            base = cells[label.replace(label.split()[-1], "gpu-only")]["duration"]
+            print(f"  {label:16} makespan {r['duration']:6.2f} s ({100 * (r['duration'] / base - 1):+6.1f}%)  "
                   f"p95 TTFT {r['p95_ttft_ms']:7.1f} ms  to cpu {r['backend_requests'].get('cpu', 0)}")
     path = ROOT / "results/simulate/predicted-compiled-gpu.json"
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -131,7 +131,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     out.update(choose_rates(out))
     if reference is not None:
         progress(f"{spec.name}: accuracy against float32 on {len(reference.ids)} tokens")
-        out["accuracy"] = reference.measure(engine.model, engine.device, engine.dtype, engine.runner.layout)
+        out["accuracy"] = reference.measure(engine.model, engine.device, engine.dtype, runner=engine.runner)
     elif engine.source.synthetic:
         out["accuracy"] = {"note": SYNTHETIC_NOTE}
     return out

@@ -70,10 +70,17 @@ def serving(root: Path, name: str = CALIBRATION) -> dict:
     return {"experiment": name, "rule": __doc__.split("\n\n")[1].replace("\n", " "), "backends": out}
 
 
+def ran(root: Path, name: str):
+    """The experiment as bench ran it: the copy in its results folder (the file in experiments/ may have moved
+    on since), or experiments/<name>.toml for results without one."""
+    copy_ = root / "results" / name / "experiment.toml"
+    return load(copy_ if copy_.is_file() else root / "experiments" / f"{name.split('/')[-1]}.toml")
+
+
 def prove(root: Path, serving_block: dict | None, names=EXPERIMENTS) -> dict:
     experiments = {}
     for name in names:
-        exp = load(root / "experiments" / f"{name}.toml")
+        exp = ran(root, name)
         profile = with_serving(json.loads((root / "results" / name / "profile.json").read_text()), serving_block)
         real = measured(root / "results" / name)
         placed = {(a["policy"], a["value"]): a.get("backend_requests")

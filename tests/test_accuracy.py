@@ -64,6 +64,24 @@ def test_accuracy_of_each_cpu_mode(reference, mode):
         assert got["within_bound"]
 
 
+def test_served_path_matches_the_model_path(reference):
+    """The served pass runs the engine's ModelRunner (its dispatch to graphs, compiled or fused steps); on this
+    CPU it must give the logits of the same kernels called directly, and fall back where the cache is small."""
+    from mvllm.accuracy import logits, served_logits
+    from mvllm.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_blocks=48))
+    ids = reference.ids[:200]
+    for chunk in (None, 4):
+        served = served_logits(engine.runner, ids, chunk)
+        direct = logits(engine.model, ids, CPU, torch.float32, chunk, layout=engine.runner.layout)
+        assert torch.allclose(served, direct, atol=1e-4), (served - direct).abs().max()
+    assert reference.measure(engine.model, CPU, torch.float32, runner=engine.runner)["path"] == "served"
+    small = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_blocks=8))
+    got = reference.measure(small.model, CPU, torch.float32, small.runner.layout, small.runner)
+    assert got["path"] == "model" and got["within_bound"]
+
+
 def test_eval_text_errors(smollm2, tiny, tmp_path):
     with pytest.raises(InvalidRequestError, match="context is 100"):
         eval_tokens(smollm2.engine.source, max_len=100)
@@ -81,6 +99,7 @@ def test_profile_writes_accuracy(smollm2, tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())["backends"]
     assert data["cpu"]["accuracy"]["within_bound"] and data["cpu"]["picked"].startswith("picked")
+    assert data["cpu"]["accuracy"]["path"] == "served"  # through the engine's own runner
     assert not data["lossy"]["accuracy"]["within_bound"]
     assert "LOSSY" in res.output and "accuracy against float32" in res.output
 

@@ -54,13 +54,15 @@ class ModelRunner:
         for a, b in spans:
             n += b - a
             last.append(n - 1)
-        key = self.graphs.bucket(spans) if self.graphs else None
-        if key is not None:
-            hidden = self.graphs.run(seqs, spans, key)
-        else:
-            hidden = self.forward(seqs, spans)
+        hidden = self.hidden(seqs, spans)
         rows = hidden if n == len(seqs) else hidden[torch.tensor(last, device=self.device)]
         return sample(self.model.logits(rows), seqs)
+
+    def hidden(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Hidden states [T, hidden] of the new tokens, by the path a served step takes: a CUDA graph (or the
+        compiled step) where one fits, else eagerly."""
+        key = self.graphs.bucket(spans) if self.graphs else None
+        return self.graphs.run(seqs, spans, key) if key is not None else self.forward(seqs, spans)
 
     def forward(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
