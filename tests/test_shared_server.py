@@ -84,7 +84,8 @@ def test_shared_bench_reuses_one_server_per_setting_and_slices_its_routing_log(t
     out = tmp_path / "shared"
     bench(exp, out, quiet=True)
     assert sorted(p.name for p in out.glob("server-*")) == ["server-1", "server-2"]
-    logs = [json.loads(x) for p in out.glob("server-*/routing.jsonl") for x in p.read_text().splitlines()]
+    assert not list(out.glob("server-*/routing.jsonl"))  # each run holds its slice; the whole log is gone
+    logs = [json.loads(x) for p in out.glob("*-run*/routing.jsonl") for x in p.read_text().splitlines()]
     assert len(logs) == 2 * 2 * 2 * 4
     runs = sorted(out.glob("*/summary.json"))
     assert len(runs) == 8

@@ -95,7 +95,9 @@ def server_args(exp: Experiment, policy: str, profile: Path | None, routing_log:
 class Servers:
     """The servers runs are made against. "fresh": a new one for every run, logging into the run's folder.
     "shared": one per model, backends and max_active, logging into out/server-N/; before each run its
-    prefix caches are emptied and its policy set, and the run's slice of its routing log is copied out."""
+    prefix caches are emptied and its policy set, and the run's slice of its routing log is copied out. When
+    it stops, its own routing log goes (every line of it is in some run's folder) unless a run broke off
+    before its slice was copied."""
 
     def __init__(self, mode: str, out: Path, profile: Path | None):
         self.mode, self.out, self.profile = mode, out, profile
@@ -103,6 +105,7 @@ class Servers:
         self.log: Path | None = None
         self.key: tuple | None = None
         self.count = 0
+        self.unsliced = False  # a run's lines of the shared log not yet copied into its folder
 
     def start(self, exp: Experiment, policy: str, folder: Path) -> tuple[ServerProcess, Path]:
         """Ready server for one run, and its routing log."""
@@ -134,6 +137,8 @@ class Servers:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+            if self.mode == "shared" and self.log is not None and not self.unsliced:
+                self.log.unlink(missing_ok=True)
         self.server, self.key = None, None
 
 
@@ -147,6 +152,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
         if url is None:
             with console.status(f"{label}: preparing the server"):
                 server, log = servers.start(exp, policy, folder)
+                servers.unsliced = servers.mode == "shared"
                 offset = log.stat().st_size if log.is_file() else 0
                 meta.update(server_command=server.command, server=servers.mode)
                 if exp.workload.warm and prefix:
@@ -164,6 +170,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
         with open(log, "rb") as f:
             f.seek(offset)
             (folder / "routing.jsonl").write_bytes(f.read())
+        servers.unsliced = False
     workload = asdict(exp.workload) | {"requests": len(requests)}
     summary = {"experiment": exp.name, "policy": policy, "model": exp.model,
                "backends": backend_text(exp) if server else None, "max_active": exp.max_active,
