@@ -14,6 +14,7 @@ of simulated time.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
 from collections import deque
@@ -162,9 +163,38 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     return summarize(records)
 
 
+def scaled_steps(profile: dict, ratios: dict[str, float]) -> dict:
+    """The profile with each named backend's decode and mixed steps scaled by its ratio."""
+    out = copy.deepcopy(profile)
+    for name, ratio in ratios.items():
+        entry = out["backends"][name]
+        for step in entry.get("decode", []):
+            step["step_ms"] *= ratio
+        for step in entry.get("mixed", []):
+            step["ms"] *= ratio
+    return out
+
+
+BAND_KEYS = ("makespan", "p95_ttft_ms", "p95_e2el_ms")
+# A host's run-to-run drift of the step time: over the 105 GPU runs of results/compiled-gpu (one H200 session),
+# each run's served TPOT over the simulated one had its 10th-90th percentiles at 0.91 and 1.07
+# (results/simulate/vs-measured.json, drift_check); the CPU's, over 52 runs, at 0.86 and 1.13.
+DRIFT = 0.08
+
+
+def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float) -> dict:
+    """The same run with every backend's steps `spread` faster and slower than profiled, the router still
+    deciding by the profile: how far the prediction moves within a host's run-to-run drift. A narrow band is
+    a firm prediction; a wide one says the load sits at a backend's capacity, where a few percent of step
+    time decide whether requests queue."""
+    runs = [run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}), vocab,
+                    believed=profile) for f in (1 - spread, 1 + spread)]
+    return {"spread": spread, **{k: sorted(r[k] for r in runs) for k in BAND_KEYS}}
+
+
 def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None,
-             believed: dict | None = None) -> list[dict]:
-    """One summary per (setting, policy), in the order bench runs them."""
+             believed: dict | None = None, spread: float = 0.0) -> list[dict]:
+    """One summary per (setting, policy), in the order bench runs them. `spread` > 0 adds each one's `band`."""
     if exp.workload.arrival not in ("fixed", "poisson", "gamma"):
         raise SimulateError(f"arrival {exp.workload.arrival!r} cannot be simulated")
     rows = []
@@ -172,6 +202,8 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
         vocab = wl.vocab_of(point.model, point.workload)
         for policy in policies:
             summary = run_one(point, policy, profile, vocab, believed=believed)
+            if spread > 0:
+                summary["band"] = band(point, policy, profile, vocab, spread)
             summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True)
             rows.append(summary)
             if out is not None:
@@ -213,14 +245,22 @@ def table(exp: Experiment, rows: list[dict], real: dict[tuple, dict]):
     from rich.table import Table
 
     t = Table(title=f"mvllm simulate: {exp.name} (predicted; measured where bench has run it)")
-    for col in ("policy", "setting", "batch completion s", "measured s", "error", "p95 TTFT ms", "measured ms",
-                "requests per backend"):
+    spread = next((r["band"]["spread"] for r in rows if "band" in r), None)
+    cols = ["policy", "setting", "batch completion s", "measured s", "error", "p95 TTFT ms", "measured ms",
+            "requests per backend"]
+    if spread:
+        cols.insert(6, f"p95 TTFT at ±{100 * spread:.0f}% steps")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("policy", "setting", "requests per backend") else "right")
     for r in rows:
         m = real.get((r["policy"], r["value"]))
         mk = m["makespan"]["mean"] if m else None
-        t.add_row(r["policy"], "" if r["value"] is None else f"{r['knob']}={r['value']}", f"{r['makespan']:.2f}",
-                  f"{mk:.2f}" if mk else "-", f"{100 * (r['makespan'] / mk - 1):+.1f}%" if mk else "-",
-                  f"{r['p95_ttft_ms']:.0f}", f"{m['p95_ttft_ms']['mean']:.0f}" if m else "-",
-                  ", ".join(f"{k} {v}" for k, v in r["backend_requests"].items()))
+        cells = [r["policy"], "" if r["value"] is None else f"{r['knob']}={r['value']}", f"{r['makespan']:.2f}",
+                 f"{mk:.2f}" if mk else "-", f"{100 * (r['makespan'] / mk - 1):+.1f}%" if mk else "-",
+                 f"{r['p95_ttft_ms']:.0f}", f"{m['p95_ttft_ms']['mean']:.0f}" if m else "-",
+                 ", ".join(f"{k} {v}" for k, v in r["backend_requests"].items())]
+        if spread:
+            lo, hi = r["band"]["p95_ttft_ms"]
+            cells.insert(6, f"{lo:.0f}-{hi:.0f}")
+        t.add_row(*cells)
     return t

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import load
-from mvllm.simulate import measured, run_one, simulate
+from mvllm.simulate import DRIFT, measured, run_one, scaled_steps, simulate
 
 EXPERIMENTS = ("paper-8", "paper-48", "gpu-serial", "sweep-concurrency", "sweep-hit-rate", "sweep-rate")
 COMPILED = tuple(f"compiled-gpu/{n}" for n in ("paper-8", "paper-48", "gpu-serial", "sweep-hit-rate", "sweep-rate"))
@@ -89,11 +89,13 @@ def prove(root: Path, serving_block: dict | None, names=EXPERIMENTS + COMPILED) 
         placed = {(a["policy"], a["value"]): a.get("backend_requests")
                   for a in json.loads((root / "results" / name / "aggregate.json").read_text())}
         cells = []
-        for r in simulate(exp, profile, exp.policies, None):
+        for r in simulate(exp, profile, exp.policies, None, spread=DRIFT):
             m = real.get((r["policy"], r["value"]))
             if not m:
                 continue
+            lo, hi = r["band"]["p95_ttft_ms"]
             cells.append({"policy": r["policy"], "value": r["value"], "makespan": r["makespan"],
+                          "band": r["band"], "p95_ttft_in_band": lo <= m["p95_ttft_ms"]["mean"] <= hi,
                           "measured_makespan": m["makespan"]["mean"], "measured_makespan_std": m["makespan"]["std"],
                           "p95_ttft_ms": r["p95_ttft_ms"], "measured_p95_ttft_ms": m["p95_ttft_ms"]["mean"],
                           "p95_e2el_ms": r["p95_e2el_ms"], "measured_p95_e2el_ms": m["p95_e2el_ms"]["mean"],
@@ -107,8 +109,11 @@ def prove(root: Path, serving_block: dict | None, names=EXPERIMENTS + COMPILED) 
 def errors(cells: list[dict]) -> dict:
     mk = [c["makespan"] / c["measured_makespan"] - 1 for c in cells]
     ttft = [c["p95_ttft_ms"] / c["measured_p95_ttft_ms"] - 1 for c in cells]
-    return {"cells_n": len(cells), "median_makespan_error": statistics.median(mk),
-            "worst_makespan_error": max(mk, key=abs), "median_p95_ttft_error": statistics.median(ttft)}
+    out = {"cells_n": len(cells), "median_makespan_error": statistics.median(mk),
+           "worst_makespan_error": max(mk, key=abs), "median_p95_ttft_error": statistics.median(ttft)}
+    if all("p95_ttft_in_band" in c for c in cells):
+        out["p95_ttft_in_band"] = sum(c["p95_ttft_in_band"] for c in cells)
+    return out
 
 
 def served_admissions_ms(rows: list[dict], backend: str = "gpu") -> list[float]:
@@ -164,18 +169,6 @@ def hit_rate_check(root: Path, serving_block: dict) -> dict:
     return {"served_admission_ms": served, "mixed": gpu["mixed"], "cells": cells, **errors(cells)}
 
 
-def _scaled(profile: dict, ratios: dict[str, float]) -> dict:
-    """The profile with each named backend's decode and mixed steps scaled by its ratio."""
-    out = copy.deepcopy(profile)
-    for name, ratio in ratios.items():
-        entry = out["backends"][name]
-        for step in entry.get("decode", []):
-            step["step_ms"] *= ratio
-        for step in entry.get("mixed", []):
-            step["ms"] *= ratio
-    return out
-
-
 def drift_check(root: Path, name: str, serving_block: dict | None) -> dict:
     """Every measured run simulated again with each backend's decode steps scaled by that run's own served
     TPOT over the simulated one (the router still decides by the profile): whether the drift of the step time
@@ -198,7 +191,7 @@ def drift_check(root: Path, name: str, serving_block: dict | None) -> dict:
                     model = [1000 * r.tpot for r in sim if r.backend == backend and r.tpot]
                     if real and model:
                         ratios[backend] = statistics.median(real) / statistics.median(model)
-                got = run_one(point, policy, _scaled(profile, ratios), vocab, believed=profile)
+                got = run_one(point, policy, scaled_steps(profile, ratios), vocab, believed=profile)
                 summary = json.loads((folder / "summary.json").read_text())
                 runs.append({"run": folder.name, "policy": policy, "value": value, "tpot_ratio": ratios,
                              "makespan": got["makespan"], "measured_makespan": summary["makespan"],
