@@ -96,6 +96,8 @@ def test_cli_writes_summaries_and_fails_in_one_line(tmp_path):
     assert split["backend_requests"] == {"cpu": 2, "gpu": 6}
     lo, hi = split["band"]["makespan"]
     assert split["band"]["spread"] == 0.08 and lo < split["makespan"] < hi and "±8%" in res.output
+    assert all(b["band"]["p95_ttft_ms"][0] <= b["p95_ttft_ms"] <= b["band"]["p95_ttft_ms"][1]
+               for b in (json.loads((tmp_path / p / "summary.json").read_text()) for p in ("gpu-only", "split-2")))
     res = runner.invoke(app, ["simulate", str(ROOT / "experiments/paper-8.toml"), "--profile",
                               str(ROOT / "results/paper-8/profile.json"), "--spread", "1.5", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "--spread must be in [0, 1)" in res.output
