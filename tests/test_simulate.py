@@ -156,3 +156,8 @@ def test_report_draws_the_committed_predictions_beside_the_runs():
     block = json.loads((ROOT / "results/simulate/serving.json").read_text())
     fresh = {c["policy"]: c["makespan"] for c in prove(ROOT, block, ["paper-48"])["experiments"]["paper-48"]["cells"]}
     assert all(predicted[p, None] == pytest.approx(fresh[p]) for p in fresh)
+    from mvllm.report.charts import _bands
+
+    bands = _bands(res)  # drawn as a line through each diamond
+    assert set(bands) == set(predicted)
+    assert all(lo <= predicted[k] <= hi and spread == 0.08 for k, (spread, (lo, hi)) in bands.items())

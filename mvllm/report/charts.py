@@ -12,6 +12,7 @@ from mvllm.report.load import Results
 from mvllm.report.style import figure, policy_color, save, title
 
 PREDICTED = "predicted (mvllm simulate)"
+BAND = "its band: steps ±{:.0f}%"
 SWEEP_METRICS = (  # (summary key, axis label, scale)
     ("makespan", "batch completion time (s)", 1.0),
     ("output_throughput", "output throughput (tokens/s)", 1.0),
@@ -41,7 +42,7 @@ def makespan(res: Results, path) -> None:
     ax = axes[0][0]
     width = 0.8 / len(pols)
     top = 0.0
-    predicted, marked = _predicted(res), False
+    predicted, bands, marked, banded = _predicted(res), _bands(res), False, False
     for j, p in enumerate(pols):
         for i, v in enumerate(vals):
             xs = [r.summary["makespan"] for r in res.select(p, v)]
@@ -52,6 +53,11 @@ def makespan(res: Results, path) -> None:
                            marker="D", s=46, facecolor="none", edgecolor="black", linewidth=1.3, zorder=4,
                            label=None if marked else PREDICTED)
                 marked, top = True, max(top, predicted[p, v])
+            if (p, v) in bands:
+                spread, (lo, hi) = bands[p, v]
+                ax.vlines((i if res.knob else 0) + (j - (len(pols) - 1) / 2) * width, lo, hi, color="black",
+                          linewidth=1.0, zorder=4, label=None if banded else BAND.format(100 * spread))
+                banded, top = True, max(top, hi)
             x = (i if res.knob else 0) + (j - (len(pols) - 1) / 2) * width
             mean = float(np.mean(xs))
             top = max(top, mean, *xs)
@@ -73,7 +79,8 @@ def makespan(res: Results, path) -> None:
     ax.set_ylabel("batch completion time (s)")
     ax.grid(axis="y", alpha=0.3, zorder=0)
     handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda k: labels[k] in ("one run", PREDICTED))
+    order = sorted(range(len(labels)), key=lambda k: labels[k] == "one run" or labels[k] == PREDICTED
+                   or labels[k].startswith(BAND[:8]))
     ax.legend([handles[k] for k in order], [labels[k] for k in order], frameon=False, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     n = sorted({len(res.select(p, v)) for p in pols for v in vals})
@@ -87,6 +94,15 @@ def _predicted(res: Results) -> dict[tuple, float]:
     """(policy, value) -> the makespan `mvllm simulate` predicted, where it wrote results/<name>/simulated."""
     folder = res.folder / "simulated"
     return {(s["policy"], s.get("value")): s["makespan"] for s in runs_in(folder)} if folder.is_dir() else {}
+
+
+def _bands(res: Results) -> dict[tuple, tuple[float, tuple[float, float]]]:
+    """(policy, value) -> (spread, the makespan band) where `mvllm simulate` wrote one."""
+    folder = res.folder / "simulated"
+    if not folder.is_dir():
+        return {}
+    return {(s["policy"], s.get("value")): (s["band"]["spread"], tuple(s["band"]["makespan"]))
+            for s in runs_in(folder) if "band" in s}
 
 
 def _ecdf(ax, values: list[float], color: str, label: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mvllm.simulate import simulate  # noqa: E402
+from mvllm.simulate import DRIFT, simulate  # noqa: E402
 from mvllm.simulate_proof import COMPILED, drift_check, hit_rate_check, prove, ran, serving, with_serving  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     for name in ("paper-8", "paper-48", *COMPILED):  # the predictions `mvllm report` draws beside the bars
         exp = ran(ROOT, name)
         profile = with_serving(json.loads((ROOT / "results" / name / "profile.json").read_text()), block)
-        simulate(exp, profile, exp.policies, ROOT / "results" / name / "simulated")
+        simulate(exp, profile, exp.policies, ROOT / "results" / name / "simulated", spread=DRIFT)
     print(f"{'experiment':28} cells  makespan median  worst    p95 TTFT median")
     for name, e in {**data["experiments"], "all": data["all"], "hit-rate check": data["hit_rate_check"]}.items():
         print(f"{name:28} {e['cells_n']:5}  {100 * e['median_makespan_error']:+14.1f}%  "
