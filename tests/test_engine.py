@@ -263,3 +263,23 @@ def test_random_churn_matches_transformers(llama, seed):
             assert seq.finish_reason == "abort" and seq.output_ids == hf_greedy(ref, prompt, n)[:len(seq.output_ids)]
         else:
             assert seq.output_ids == hf_greedy(ref, prompt, n), seq.request_id
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked rows (cut among the candidates) and flat ones (fallback)
+def test_top_k_top_p_on_candidates_keeps_what_the_whole_sort_keeps(scale):
+    import torch
+
+    from mvllm.engine.sampler import top_k_top_p
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5000, generator=gen) * scale
+    params = [SamplingParams(temperature=1.0, top_p=p, top_k=k)
+              for p, k in ((0.9, -1), (0.5, -1), (0.99, 100), (1.0, 40), (0.95, 3000), (0.2, -1))]
+    whole = top_k_top_p(logits, params, candidates=5000)
+    cut = top_k_top_p(logits, params, candidates=64)
+    assert torch.equal(whole.isinf(), cut.isinf())
+    assert torch.equal(whole[~whole.isinf()], cut[~cut.isinf()])
+    kept = (~whole.isinf()).sum(-1).tolist()
+    assert kept[3] == 40 and kept[2] <= 100 and all(n >= 1 for n in kept)
+    if scale < 1:  # flat: top-p 0.5 needs far more than 64 candidates, so the fallback ran
+        assert kept[1] > 64
