@@ -182,14 +182,15 @@ BAND_KEYS = ("makespan", "p95_ttft_ms", "p95_e2el_ms")
 DRIFT = 0.08
 
 
-def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict) -> dict:
+def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict,
+         believed: dict | None = None) -> dict:
     """The same run with every backend's steps `spread` faster and slower than profiled, the router still
-    deciding by the profile: how far the prediction moves within a host's run-to-run drift. A narrow band is
+    deciding by the profile (or by `believed`): how far the prediction moves within a host's run-to-run drift. A narrow band is
     a firm prediction; a wide one says the load sits at a backend's capacity, where a few percent of step
     time decide whether requests queue. `base`, the run as profiled, lies in it (a tail need not move
     monotonically with the step time)."""
     runs = [base] + [run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}), vocab,
-                             believed=profile) for f in (1 - spread, 1 + spread)]
+                             believed=believed or profile) for f in (1 - spread, 1 + spread)]
     return {"spread": spread, **{k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in BAND_KEYS}}
 
 
@@ -204,7 +205,7 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
         for policy in policies:
             summary = run_one(point, policy, profile, vocab, believed=believed)
             if spread > 0:
-                summary["band"] = band(point, policy, profile, vocab, spread, summary)
+                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed)
             summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True)
             rows.append(summary)
             if out is not None:
