@@ -165,3 +165,19 @@ def test_table_layout_through_build_meta_matches_the_standard_layouts(tiny):
     for chunk in (None, 4):
         got = logits(llm.engine.model, ids, cpu, torch.float32, chunk=chunk, layout="table")
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@cuda
+def test_served_gpu_paths_are_accurate_on_real_weights(smollm2):
+    """The compiled path in its CUDA graphs, and compile=off, measured as served (the engine's own runner)
+    against float32 on SmolLM2's real weights: within the accurate bound (KL 0.0007 and 0.0008 measured on
+    the H200, results/compiled-gpu/smollm2-accuracy.json)."""
+    from mvllm.accuracy import KL_BOUND, Reference
+
+    reference = Reference(smollm2.engine.source)
+    for compiled in (True, False):
+        llm = LLM("smollm2-135m", device="cuda", max_active=4, compile=compiled)
+        got = reference.measure(llm.engine.model, llm.engine.device, llm.engine.dtype, runner=llm.engine.runner)
+        assert got["path"] == "served" and got["kl_mean"] <= KL_BOUND and got["top1"] >= 0.95, (compiled, got)
+        del llm
+        torch.cuda.empty_cache()
