@@ -11,12 +11,12 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
-import time
 
 import torch
 
 from mvllm import LLM, SamplingParams
 from mvllm.bench.env import describe
+from mvllm.profile import decode_steps
 
 
 def greedy(n: int) -> SamplingParams:
@@ -39,19 +39,10 @@ def cpu_load(model: str, threads: int, busy, stop) -> None:
 
 
 def decode_ms(llm: LLM, batch: int, steps: int = 30) -> float:
-    engine = llm.engine
-    vocab = engine.source.config.vocab_size - 1
+    vocab = llm.engine.source.config.vocab_size - 1
     g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, vocab, (560,), generator=g).tolist(), greedy(steps + 2))
-    engine.step()
-    times = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        done = engine.step()
-        if len(done) == batch:
-            times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+    prompts = [torch.randint(0, vocab, (560,), generator=g).tolist() for _ in range(batch)]
+    return 1000 * statistics.median(decode_steps(llm.engine, prompts, greedy(steps + 2))[1])
 
 
 def main() -> None:

@@ -54,8 +54,9 @@ def main() -> None:
                  for r in rows}
         out["experiments"][name] = cells
         print(f"{name}:")
+        gpu_only = {r["value"]: r["duration"] for r in rows if r["policy"] == "gpu-only"}
         for label, r in cells.items():
-            base = cells[label.replace(label.split()[-1], "gpu-only")]["duration"]
+            base = gpu_only[r["value"]]
             print(f"  {label:16} makespan {r['duration']:6.2f} s ({100 * (r['duration'] / base - 1):+6.1f}%)  "
                   f"p95 TTFT {r['p95_ttft_ms']:7.1f} ms  to cpu {r['backend_requests'].get('cpu', 0)}")
     path = ROOT / "results/simulate/predicted-compiled-gpu.json"

@@ -65,15 +65,19 @@ def logits(model: Decoder, ids: list[int], device: torch.device, dtype: torch.dt
     return torch.cat(out)
 
 
+def fits(runner, tokens: int) -> bool:
+    """Whether `tokens` fit the runner's KV cache (its last slot is the graphs' scratch)."""
+    return -(-tokens // runner.block_size) * runner.block_size < runner.caches[0].shape[1]
+
+
 @torch.inference_mode()
 def served_logits(runner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
     """As `logits`, through an engine's ModelRunner: the served path itself (CUDA graphs, compiled steps, fused
     CPU kernels). Writes the runner's KV cache from block 0 on: only for an idle engine about to be dropped."""
-    n, bs = len(ids), runner.block_size
-    blocks = -(-n // bs)
-    if blocks * bs > runner.caches[0].shape[1] - 1:
-        raise ValueError(f"the evaluation text needs {blocks} KV blocks; the engine has fewer")
-    seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(blocks)))
+    n = len(ids)
+    if not fits(runner, n):
+        raise ValueError(f"the evaluation text's {n} tokens do not fit the engine's KV cache")
+    seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(-(-n // runner.block_size))))
     step, out = chunk or n, []
     for start in range(0, n, step):
         hidden = runner.hidden([seq], [(start, min(start + step, n))])
@@ -106,8 +110,7 @@ class Reference:
         "table" the GPU's Triton attention (eagerly, outside torch.compile). With `runner` (an idle engine's
         ModelRunner, whose KV cache this overwrites) both passes run the served path instead: CUDA graphs and
         compiled steps included."""
-        served = runner is not None and -(-len(self.ids) // runner.block_size) * runner.block_size < \
-            runner.caches[0].shape[1]
+        served = runner is not None and fits(runner, len(self.ids))
 
         def run(chunk):
             if served:

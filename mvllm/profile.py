@@ -47,6 +47,20 @@ def _median_ms(times: list[float]) -> float:
     return 1000 * statistics.median(times)
 
 
+def decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list[float]]:
+    """Admit the prompts together, run them to the end, and time (seconds) each step in which all of them
+    decoded; returns their sequences and those times."""
+    seqs = [engine.add_request(p, params) for p in prompts]
+    engine.step()
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        done = engine.step()
+        if len(done) == len(prompts):
+            times.append(time.perf_counter() - t)
+    return seqs, times
+
+
 class Tokens:
     """Fresh random prompts: distinct, so no prompt hits another's cache by accident."""
 
@@ -108,14 +122,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     engine.warm(prefix)
     for b in range(1, spec.max_active + 1):
         progress(f"{spec.name}: decode, batch {b}")
-        seqs = [engine.add_request(prefix + tokens(DECODE_NEW), _greedy(steps + 2)) for _ in range(b)]
-        engine.step()
-        times = []
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            done = engine.step()
-            if len(done) == b:
-                times.append(time.perf_counter() - t)
+        seqs, times = decode_steps(engine, [prefix + tokens(DECODE_NEW) for _ in range(b)], _greedy(steps + 2))
         ms = _median_ms(times)
         ctx = (DECODE_PREFIX + DECODE_NEW) + (steps + 1) // 2
         out["decode"].append({"batch": b, "context": ctx, "step_ms": ms, "tok_s": b / ms * 1000,

@@ -109,6 +109,11 @@ class Servers:
 
     def start(self, exp: Experiment, policy: str, folder: Path) -> tuple[ServerProcess, Path]:
         """Ready server for one run, and its routing log."""
+        server, log = self._start(exp, policy, folder)
+        self.unsliced = self.mode == "shared"  # after any stop of the previous server, whose runs are sliced
+        return server, log
+
+    def _start(self, exp: Experiment, policy: str, folder: Path) -> tuple[ServerProcess, Path]:
         if self.mode == "fresh":
             self.stop()
             home = folder
@@ -152,7 +157,6 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
         if url is None:
             with console.status(f"{label}: preparing the server"):
                 server, log = servers.start(exp, policy, folder)
-                servers.unsliced = servers.mode == "shared"
                 offset = log.stat().st_size if log.is_file() else 0
                 meta.update(server_command=server.command, server=servers.mode)
                 if exp.workload.warm and prefix:

@@ -2,9 +2,9 @@
 
 One pass over the batch whatever its mix: greedy rows take the argmax; the others are scaled by their
 temperature, cut to their top-k and top-p (within each row's highest CANDIDATES logits where those hold the
-top-p mass, else on a sort of the whole row), and drawn by
-inverting their cumulative distribution at one uniform number each, so the only host sync is the final
-token list. A request with a seed draws its number from its own generator: the same seed gives the same
+top-p mass, else over the whole row), and drawn by inverting their cumulative distribution at one uniform
+number each. The host syncs once for the token list, and once more where top-p is asked for (to find the
+rows whose candidates fall short). A request with a seed draws its number from its own generator: the same seed gives the same
 tokens, alone or batched with others.
 """
 
@@ -60,10 +60,7 @@ def top_k_top_p(logits: torch.Tensor, params, candidates: int = CANDIDATES) -> t
     k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     width = min(vocab, max([candidates] + [p.top_k for p in params if 0 < p.top_k < vocab]))
-    if width == vocab:
-        ordered, order = logits.sort(dim=-1, descending=True)
-    else:
-        ordered, order = logits.topk(width, dim=-1)
+    ordered, order = logits.topk(width, dim=-1)  # sorted, highest first
     ordered = ordered.masked_fill(torch.arange(width, device=device) >= k.unsqueeze(1), float("-inf"))
     # probabilities over the whole row after its top-k: within the candidates when top-k cut there
     total = torch.where(k < vocab, ordered.logsumexp(dim=-1), logits.logsumexp(dim=-1))

@@ -79,8 +79,8 @@ def makespan(res: Results, path) -> None:
     ax.set_ylabel("batch completion time (s)")
     ax.grid(axis="y", alpha=0.3, zorder=0)
     handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda k: labels[k] == "one run" or labels[k] == PREDICTED
-                   or labels[k].startswith(BAND[:8]))
+    markers = {"one run", PREDICTED, *(BAND.format(100 * s) for s, _ in bands.values())}
+    order = sorted(range(len(labels)), key=lambda k: labels[k] in markers)
     ax.legend([handles[k] for k in order], [labels[k] for k in order], frameon=False, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     n = sorted({len(res.select(p, v)) for p in pols for v in vals})
