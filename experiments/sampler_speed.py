@@ -33,8 +33,10 @@ from mvllm.engine.sequence import Sequence  # noqa: E402
 from mvllm.profile import decode_steps  # noqa: E402
 
 
-def before(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """The per-row sampler of commit 0c406b7 (min_tokens masking left out: no request here uses it)."""
+def before(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> list[int]:
+    """The per-row sampler of commit 0c406b7 (min_tokens masking left out: no request here uses it; `argmax`,
+    which the engine now passes, ignored)."""
+    logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params

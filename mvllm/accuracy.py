@@ -80,8 +80,7 @@ def served_logits(runner, ids: list[int], chunk: int | None = None) -> torch.Ten
     seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(-(-n // runner.block_size))))
     step, out = chunk or n, []
     for start in range(0, n, step):
-        hidden = runner.hidden([seq], [(start, min(start + step, n))])
-        out.append(runner.model.logits(hidden).float().cpu())
+        out.append(runner.logits([seq], [(start, min(start + step, n))])[0].float().cpu())
     return torch.cat(out)
 
 

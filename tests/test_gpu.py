@@ -14,6 +14,8 @@ from conftest import prompts
 from mvllm import LLM, SamplingParams
 from mvllm.engine.cuda_graphs import GraphRunner
 from mvllm.model import table_attention
+from mvllm.model.config import ModelConfig
+from mvllm.model.decoder import Rotary, rotate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine; the graph "
                           "path is checked on the GPU machine through the device tool")
@@ -77,18 +79,73 @@ def table_case(device: str, dtype: torch.dtype, block_size: int = 16):
 def test_triton_table_kernel_matches_reference(monkeypatch):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton without CUDA: set TRITON_INTERPRET=1 to run the kernel on the CPU")
-    args = table_case("cuda" if torch.cuda.is_available() else "cpu", torch.float32)
-    q, cache, tables, token_seq, key_len, bs, scale = args
-    want = table_attention.reference(*args)
-    packed = torch.stack([token_seq, key_len], 1)  # strided columns, as the compiled step passes them
-    for splits in (1, 4, 64):  # one program per token, and keys split over several (decode)
-        got = table_attention._triton(q, cache, tables, packed[:, 0], packed[:, 1], bs, scale, splits)
+    q, cache, tables, token_seq, key_len, bs, scale = table_case("cuda" if torch.cuda.is_available() else "cpu",
+                                                                 torch.float32)
+    want = gathered_attention(q, cache, tables, token_seq, key_len, bs, scale)
+    packed = table_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, tables, token_seq)
+    torch.testing.assert_close(table_attention.reference(q, cache, packed, bs, scale), want, atol=2e-5, rtol=1e-4)
+    for splits in (1, 4, 16):  # one program per token, and keys split over several (decode)
+        got = table_attention._triton(q, cache, packed, bs, scale, splits)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if not torch.cuda.is_available():
         return  # Triton's interpreter mishandles bf16 dots; the bf16 path is checked on the GPU
-    bf16 = [x.bfloat16() if torch.is_floating_point(x) else x for x in (q, cache, tables, token_seq, key_len)]
-    got = table_attention._triton(*bf16, bs, scale).float()
+    got = table_attention._triton(q.bfloat16(), cache.bfloat16(), packed, bs, scale).float()
     assert (got - want).abs().max() < 0.02  # bf16 inputs, float32 sums
+
+
+def gathered_attention(q, cache, tables, token_seq, key_len, block_size: int, scale: float) -> torch.Tensor:
+    """Softmax attention of each token over its first key_len keys, gathered one token at a time in float64."""
+    t, h, d = q.shape
+    group = h // cache.shape[2]
+    out = torch.empty(t, h, d, dtype=torch.float64, device=q.device)
+    for i in range(t):
+        pos = torch.arange(int(key_len[i]), device=q.device)
+        slots = tables[token_seq[i]][pos // block_size] * block_size + pos % block_size
+        k, v = (c[slots].double().repeat_interleave(group, dim=1).transpose(0, 1) for c in cache)  # [H, L, D]
+        p = torch.softmax((k @ q[i].double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+        out[i] = (p.unsqueeze(1) @ v).squeeze(1)
+    return out.view(t, h * d).to(q.dtype)
+
+
+def rope_case(device: str, dtype: torch.dtype):
+    """Five tokens' QKV projections (Qwen2.5-0.5B's heads) at scattered positions and slots; returns the op's
+    arguments and what the decoder's eager rotary gives: the rotated q and the cache it leaves."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv, d, t = 14, 2, 64, 5
+    positions = torch.tensor([0, 7, 8, 9, 300], device=device)
+    rot = Rotary(ModelConfig("llama", vocab_size=8, hidden_size=heads * d, intermediate_size=8, num_layers=1,
+                             num_heads=heads, num_kv_heads=kv, head_dim=d, max_position=512, rope_theta=1e6)).to(device)
+    slots = torch.tensor([3, 17, 18, 19, 39], device=device)
+    packed = table_attention.pack_rows(positions, slots, positions + 1, torch.zeros(1, 3, dtype=torch.long,
+                                       device=device), torch.zeros(t, dtype=torch.long, device=device))
+    qkv = torch.randn(t, (heads + 2 * kv) * d, generator=g).to(device, dtype)
+    cache = torch.zeros(2, 40, kv, d, device=device, dtype=dtype)
+    q, k = rotate(qkv.view(t, -1, d)[:, :heads + kv], rot.at(positions, dtype)).split([heads, kv], 1)
+    want_cache = cache.clone()
+    want_cache[0, slots], want_cache[1, slots] = k, qkv.view(t, -1, d)[:, heads + kv:]
+    return (qkv, rot.cos, rot.sin, cache, packed, heads, kv), q, want_cache
+
+
+def test_rope_store_reference_is_the_eager_rotary():
+    for dtype in (torch.float32, torch.bfloat16):
+        args, q, cache = rope_case("cpu", dtype)
+        assert table_attention.reference_rope_store(*args).equal(q) and args[3].equal(cache)
+
+
+@pytest.mark.skipif(table_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+                    "ship without it); the kernel runs on the GPU machine's tests")
+def test_triton_rope_store_matches_reference():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton without CUDA: set TRITON_INTERPRET=1 to run the kernel on the CPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-2)):  # bf16: eager rounds after each op
+        if dtype == torch.bfloat16 and not torch.cuda.is_available():
+            continue  # Triton's interpreter and bf16: checked on the GPU
+        args, q, cache = rope_case(device, dtype)
+        got = table_attention._triton_rope_store(*args)
+        torch.testing.assert_close(got.float(), q.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(args[3].float(), cache.float(), atol=tol, rtol=tol)
+        assert args[3][1].equal(cache[1])  # values copied exactly
 
 
 def churn(llm: LLM, vocab: int) -> list[list[int]]:
@@ -108,13 +165,13 @@ BF16_TIE = 0.25  # logits: bf16 kernels that round differently may flip a greedy
 
 def top2_gap(llm: LLM, ids: list[int]) -> float:
     """The gap between the two largest next-token logits after `ids`, on llm's path."""
-    got, logits = [], llm.engine.runner.model.logits
-    llm.engine.runner.model.logits = lambda h: (got.append(logits(h)), got[-1])[1]
+    got, runner = [], llm.engine.runner
+    runner.logits = lambda seqs, spans: (got.append(type(runner).logits(runner, seqs, spans)), got[-1])[1]
     try:
         llm.generate([ids], greedy(1))
     finally:
-        llm.engine.runner.model.logits = logits
-    top = got[0][-1].float().topk(2).values
+        del runner.logits
+    top = got[0][0][-1].float().topk(2).values
     return float(top[0] - top[1])
 
 
@@ -181,3 +238,4 @@ def test_served_gpu_paths_are_accurate_on_real_weights(smollm2):
         assert got["path"] == "served" and got["kl_mean"] <= KL_BOUND and got["top1"] >= 0.95, (compiled, got)
         del llm
         torch.cuda.empty_cache()
+

@@ -2,14 +2,16 @@
 (compiled) cold prefills of up to 2048.
 
 Every new token is one query row that reads its own sequence's blocks, so a step is keyed by its token
-count T, padded up to a bucket. Inputs live in one static int64 buffer [T, 4 + W] (token, position, slot,
-context length, block table padded to W blocks), filled by one host-to-device copy per step. Padding rows
-write their K/V to a scratch slot and attend to slot 0 only; their outputs are ignored.
+count T, padded up to a bucket. Steps of up to 64 tokens run the LM head and the greedy argmax in their
+graph too, so a greedy decode step is one replay and one copy of the token ids back. Inputs live in one
+static int64 buffer [T, 4 + W] (token, position, slot, context length, block table padded to W blocks),
+filled by one host-to-device copy per step. Padding rows write their K/V to a scratch slot and attend to
+slot 0 only; their outputs are ignored.
 
 Two ways to run a step:
-- compiled (the default where Triton exists): attention reads K/V through the block table in one Triton
-  kernel (model/table_attention.py) and torch.compile fuses the rest of each layer (norms, rotary, SiLU)
-  before the graphs are captured. One compile with a dynamic token count serves every bucket, including
+- compiled (the default where Triton exists): rotary with the cache write, and attention reading K/V
+  through the block table, are Triton kernels that take the packed input whole (model/table_attention.py);
+  torch.compile fuses the rest of each layer (norms, SiLU) before the graphs are captured. One compile with a dynamic token count serves every bucket, including
   prefill buckets (a cold prefill is launch-bound without a graph: ~12 ms of host work against ~2.4 ms of
   GPU work for 516 tokens of Qwen2.5-0.5B on the H200); steps beyond them run the same code ungraphed.
 - plain (`compile=off`): eager PyTorch ops; each row gathers its context padded to a context bucket, so a
@@ -28,6 +30,7 @@ from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
 
 TOKEN_BUCKETS = (8, 16, 32, 64)
+HEAD_ROWS = TOKEN_BUCKETS[-1]  # steps up to this many tokens run the LM head (and argmax) in their graph
 PREFILL_BUCKETS = (128, 256, 384, 512, 640, 768, 1024, 1536, 2048)  # compiled only
 CONTEXT_BUCKETS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)  # plain: every row gathers its bucket's width
 
@@ -63,6 +66,10 @@ class GraphRunner:
             self.inputs = {t: torch.zeros(t, 4 + self.width, dtype=torch.long, device=device)
                            for t in self.token_buckets}
             self.hidden = torch.zeros(t_max, model.cfg.hidden_size, dtype=caches[0].dtype, device=device)
+            # steps of up to HEAD_ROWS tokens also run the LM head and the argmax inside their graph
+            self.logits = torch.zeros(HEAD_ROWS, model.cfg.vocab_size, dtype=caches[0].dtype, device=device)
+            self.tokens = torch.zeros(HEAD_ROWS, dtype=torch.long, device=device)
+        self.head_ran = False  # the last step's logits and argmax are in self.logits / self.tokens
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.steps = self.replays = 0
         self.step = None
@@ -73,12 +80,20 @@ class GraphRunner:
             self.capture()
 
     def _table_step(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        meta = AttnMeta(x[:, 2], layout="table", block_index=x[:, 4:], block_size=self.block_size,
-                        token_seq=torch.arange(t, device=x.device), key_len=x[:, 3])
+        meta = AttnMeta(x[:, 2], layout="table", block_size=self.block_size, packed=x)
         return self.model(x[:, 0], x[:, 1], self.caches, meta)
 
     def _forward(self, t: int, lk: int) -> None:
+        self._body(t, lk)
+        if t <= HEAD_ROWS:
+            head, logits = self.model.lm_head, self.logits[:t]
+            if type(head) is torch.nn.Linear and head.bias is None:  # straight into the buffer: no copy
+                torch.mm(self.hidden[:t], head.weight.t(), out=logits)
+            else:
+                logits.copy_(head(self.hidden[:t]))
+            torch.argmax(logits, dim=-1, out=self.tokens[:t])
+
+    def _body(self, t: int, lk: int) -> None:
         x = self.inputs[t]
         if self.compiled:
             self.hidden[:t] = self.step(x)
@@ -134,11 +149,13 @@ class GraphRunner:
 
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int]) -> torch.Tensor:
         """Replay the graph for `key` (or run the compiled step without one); returns the hidden states
-        [T, hidden] of the real tokens."""
+        [T, hidden] of the real tokens. Steps of up to HEAD_ROWS tokens also leave every row's logits (in the
+        model's dtype) in self.logits and their argmax in self.tokens (`head_ran`)."""
         t_pad, _ = key
         rows = sum(b - a for a, b in spans)
         self.steps += 1
         used = max(2, max(len(s.block_table) for s in seqs))  # table columns past a row's context are never read
+        self.head_ran = t_pad <= HEAD_ROWS
         if t_pad > self.token_buckets[-1]:  # compiled, beyond the buckets: no graph, only the columns used
             x = torch.from_numpy(self.pack(seqs, spans, t_pad, used)).to(self.hidden.device)
             return self.step(x)[:rows]

@@ -1,8 +1,9 @@
 """Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples.
 
-On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs; with Triton
-(`compile`, the default) every step runs torch.compile'd code whose attention reads the paged cache through
-the block table, graphs or not (engine/cuda_graphs.py). Without it larger steps, and every step on CPU and
+On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs, with the LM head
+and greedy argmax inside for steps of up to 64 tokens; with Triton (`compile`, the default) every step runs
+torch.compile'd code whose attention reads the paged cache through the block table, graphs or not
+(engine/cuda_graphs.py). Without it larger steps, and every step on CPU and
 MPS, run eagerly. On x86 CPUs the float32 and bfloat16 Linear layers run
 through oneDNN with pre-packed weights (`quant.pack`); in float32 (and int8w) the rest of each layer runs
 through mvllm's fused CPU kernels where they build (`model/fused.py`; `fused=False` turns them off)."""
@@ -54,15 +55,30 @@ class ModelRunner:
         for a, b in spans:
             n += b - a
             last.append(n - 1)
+        logits, tokens = self.logits(seqs, spans)
+        if n != len(seqs):
+            pick = torch.tensor(last, device=self.device)
+            logits, tokens = logits[pick], None if tokens is None else tokens[pick]
+        return sample(logits, seqs, tokens)
+
+    def logits(self, seqs, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [T, vocab] of every new token by the served path, and their argmax where the step's graph
+        computed it (then the logits are in the model's dtype, else float32)."""
         hidden = self.hidden(seqs, spans)
-        rows = hidden if n == len(seqs) else hidden[torch.tensor(last, device=self.device)]
-        return sample(self.model.logits(rows), seqs)
+        g = self.graphs
+        if g is not None and g.head_ran:
+            return g.logits[:len(hidden)], g.tokens[:len(hidden)]
+        return self.model.logits(hidden), None
 
     def hidden(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens, by the path a served step takes: a CUDA graph (or the
         compiled step) where one fits, else eagerly."""
         key = self.graphs.bucket(spans) if self.graphs else None
-        return self.graphs.run(seqs, spans, key) if key is not None else self.forward(seqs, spans)
+        if key is None:
+            if self.graphs:
+                self.graphs.head_ran = False
+            return self.forward(seqs, spans)
+        return self.graphs.run(seqs, spans, key)
 
     def forward(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]

@@ -17,16 +17,19 @@ from mvllm.engine.sequence import Sequence
 CANDIDATES = 1024  # a partial top-k over the vocabulary is cheaper than sorting it (151,936 entries for Qwen)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [B, V] float32 -> one token id per sequence."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> list[int]:
+    """logits [B, V] -> one token id per sequence, computed in float32. `argmax`: the logits' argmax, where the
+    step computed it already (inside its CUDA graph): a greedy batch then reads only that."""
     early = [(i, s.early_stop_ids) for i, s in enumerate(seqs)
              if s.early_stop_ids and s.num_output_tokens < s.params.min_tokens]
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if early or rows or argmax is None:
+        logits = logits.float()
     if early:
         logits = logits.clone()
         for i, ids in early:
             logits[i, ids] = float("-inf")
-    tokens = logits.argmax(dim=-1)
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    tokens = logits.argmax(dim=-1) if early or argmax is None else argmax
     if rows:
         drawn = _draw(logits[rows] if len(rows) < len(seqs) else logits, [seqs[i] for i in rows])
         tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), drawn)

@@ -8,7 +8,8 @@ query reads. These layouts share one entry point:
   gather_index[t] under mask[t];
 - "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq];
 - "fused": the CPU float32 kernels (model/fused.py): each token reads its keys from the paged cache;
-- "table": the same per-token layout for the GPU's compiled path (model/table_attention.py).
+- "table": the same per-token layout for the GPU's compiled path; the decoder calls its two ops itself
+  (rotary with the cache write, then attention: model/table_attention.py).
 On CPU, "rows" and "paged" read whole blocks (`block_index`, one contiguous copy per block) instead of
 gathering slot by slot, which costs 2-3x more there.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mvllm.model import table_attention  # noqa: F401  (registers mvllm::table_attention)
+from mvllm.model import table_attention  # registers mvllm::rope_store and mvllm::table_attention
 
 
 @dataclass(slots=True)
@@ -35,8 +36,9 @@ class AttnMeta:
     block_index: torch.Tensor | None = None  # on CPU: [B, width] blocks read, replacing gather_index
     block_size: int = 0  # with block_index
     keys_len: int = 0  # with block_index: Lk
-    token_seq: torch.Tensor | None = None  # fused, table: [T] row of block_index each token belongs to
-    key_len: torch.Tensor | None = None  # fused, table: [T] keys each token attends to (its position + 1)
+    token_seq: torch.Tensor | None = None  # fused: [T] row of block_index each token belongs to
+    key_len: torch.Tensor | None = None  # fused: [T] keys each token attends to (its position + 1)
+    packed: torch.Tensor | None = None  # table: [T, 4 + W] token id, position, slot, key length, block table
 
 
 def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
@@ -57,6 +59,9 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
     if layout in ("fused", "table"):
         token_seq = torch.arange(len(counts)).repeat_interleave(counts)
         key_len = (starts.unsqueeze(1) + new + 1)[valid]
+        if layout == "table":
+            packed = table_attention.pack_rows(key_len - 1, slot_mapping, key_len, tables, token_seq)
+            return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_size=block_size, packed=packed.to(**as_long))
         return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_index=tables.to(**as_long),
                         block_size=block_size, token_seq=token_seq.to(**as_long), key_len=key_len.to(**as_long))
     if not bool(starts.any()):
@@ -84,10 +89,7 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttnMeta, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H * D]."""
-    if meta.layout == "table":
-        return torch.ops.mvllm.table_attention(q, k, v, cache, meta.slot_mapping, meta.block_index, meta.token_seq,
-                                               meta.key_len, meta.block_size, scale)
+    """q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H * D]. (Not the "table" layout.)"""
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
     t, h, d = q.shape

@@ -83,6 +83,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, cache: torch.Tensor, meta: AttnMeta):
+        if meta.layout == "table":  # the GPU's kernels: rotary and the cache write in one, attention in one
+            q = torch.ops.mvllm.rope_store(self.qkv_proj(x), *rope, cache, meta.packed, self.heads, self.kv_heads)
+            return self.o_proj(torch.ops.mvllm.table_attention(q, cache, meta.packed, meta.block_size, self.scale))
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = rotate(qk.view(-1, self.heads + self.kv_heads, self.head_dim), rope)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
@@ -133,7 +136,8 @@ class Decoder(nn.Module):
 
             return fused.forward(self, input_ids, positions, caches, meta)
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.at(positions, x.dtype)
+        # "table": the rotary kernel reads each token's row of the whole tables itself
+        rope = (self.rotary.cos, self.rotary.sin) if meta.layout == "table" else self.rotary.at(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, rope, cache, meta)
         return self.norm(x)

@@ -1,13 +1,17 @@
 """Attention that reads K/V straight from the paged cache through each token's block table (no gather).
 
-One custom op, `mvllm::table_attention`, writes the new tokens' K/V into their slots, then lets every new
-token attend to the first `key_len[t]` keys of its sequence, found through `tables[token_seq[t]]`. A token
+Two custom ops. `mvllm::rope_store` rotates the new tokens' queries and keys and writes their K/V into their
+slots, in one kernel straight from the QKV projection's output. `mvllm::table_attention` then lets every new
+token attend to the first keys of its sequence (its key length), found through its block table. A token
 of a sequence computed several tokens at a time sees the keys up to its own position, so one layout serves
 decode, warm-prefix prefill and mixed steps. On CUDA with Triton the attention is one kernel: a program per
 (token, KV head) holds that head's group of query heads and streams the keys block by block with an online
 softmax; when few tokens would leave the GPU idle (decode), each token's keys are split over several
-programs and a second kernel merges their partial sums (flash-decoding). Elsewhere (and as the reference in tests) it runs in plain PyTorch. torch.compile sees the op as
-one opaque call that mutates the cache, so the rest of the layer fuses around it.
+programs and a second kernel merges their partial sums (flash-decoding). Elsewhere (and as the reference in
+tests) both run in plain PyTorch. torch.compile sees each op as one opaque call (rope_store mutates the
+cache), so the rest of the layer fuses around them: three kernels per layer for rotary, the cache write and
+attention, where inductor's rotary, two index copies, attention and copies of its inputs took eight. Both ops
+read the step's packed input (one row per token: token id, position, slot, key length, block table) whole.
 """
 
 from __future__ import annotations
@@ -28,30 +32,63 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-@torch.library.custom_op("mvllm::table_attention", mutates_args=("cache",))
-def table_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                    slots: torch.Tensor, tables: torch.Tensor, token_seq: torch.Tensor, key_len: torch.Tensor,
-                    block_size: int, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D], cache [2, slots, Hkv, D], tables [B, W], token_seq/key_len [T]
-    (any strides: under torch.compile they are columns of the step's packed input); returns [T, H * D]."""
-    cache[0].index_copy_(0, slots, k)
-    cache[1].index_copy_(0, slots, v)
+@torch.library.custom_op("mvllm::rope_store", mutates_args=("cache",))
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor,
+               heads: int, kv_heads: int) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) * D] (q | k | v), cos/sin [positions, D] (the whole rotary tables) ->
+    rotated q [T, heads, D]; the rotated k and v written into cache[0] and cache[1] at each token's slot.
+    packed [T, 4 + W]: each token's (token id, position, slot, key length, block table), the compiled step's
+    input itself (slicing it here costs no kernel; columns handed to the op would each be copied)."""
+    if qkv.is_cuda and triton is not None:
+        return _triton_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads)
+    return reference_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads)
+
+
+@rope_store.register_fake
+def _(qkv, cos, sin, cache, packed, heads, kv_heads):
+    return qkv.new_empty(qkv.shape[0], heads, cache.shape[-1])
+
+
+def reference_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int) -> torch.Tensor:
+    """The same in PyTorch, rounding as the decoder's eager rotary does."""
+    t, d = qkv.shape[0], cache.shape[-1]
+    qk, v = qkv.view(t, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=1)
+    cos, sin = (x[packed[:, 1]].unsqueeze(1).to(qkv.dtype) for x in (cos, sin))
+    half = d // 2
+    qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+    cache[0].index_copy_(0, packed[:, 2], qk[:, heads:])
+    cache[1].index_copy_(0, packed[:, 2], v)
+    return qk[:, :heads].contiguous()
+
+
+@torch.library.custom_op("mvllm::table_attention", mutates_args=())
+def table_attention(q: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor, block_size: int,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D], cache [2, slots, Hkv, D] (the new tokens' K/V already in it), packed as rope_store's:
+    token t attends to the first packed[t, 3] keys of the block table packed[t, 4:]; returns [T, H * D]."""
     if q.is_cuda and triton is not None:
-        return _triton(q, cache, tables, token_seq, key_len, block_size, scale)
-    return reference(q, cache, tables, token_seq, key_len, block_size, scale)
+        return _triton(q, cache, packed, block_size, scale)
+    return reference(q, cache, packed, block_size, scale)
 
 
 @table_attention.register_fake
-def _(q, k, v, cache, slots, tables, token_seq, key_len, block_size, scale):
+def _(q, cache, packed, block_size, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def reference(q, cache, tables, token_seq, key_len, block_size: int, scale: float) -> torch.Tensor:
-    """The same attention in PyTorch: each token's keys gathered slot by slot, masked past key_len."""
+def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor, tables: torch.Tensor,
+              token_seq: torch.Tensor) -> torch.Tensor:
+    """The packed [T, 4 + W] input from per-token columns and per-sequence block tables (token ids left 0)."""
+    return torch.cat([torch.zeros_like(positions).unsqueeze(1), positions.unsqueeze(1), slots.unsqueeze(1),
+                      key_len.unsqueeze(1), tables[token_seq]], dim=1)
+
+
+def reference(q, cache, packed, block_size: int, scale: float) -> torch.Tensor:
+    """The same attention in PyTorch: each token's keys gathered slot by slot, masked past its key length."""
     t, h, d = q.shape
+    tables, key_len = packed[:, 4:], packed[:, 3]
     width = tables.shape[1] * block_size
-    slots = (tables[token_seq].unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device))
-    slots = slots.view(t, width)
+    slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).view(t, width)
     keys, values = cache[:, slots].transpose(2, 3).unbind(0)  # [T, Hkv, width, D]
     hkv = keys.shape[1]
     mask = (torch.arange(width, device=q.device) < key_len.unsqueeze(1)).view(t, 1, 1, width)
@@ -59,8 +96,7 @@ def reference(q, cache, tables, token_seq, key_len, block_size: int, scale: floa
     return out.reshape(t, h * d)
 
 
-def _triton(q, cache, tables, token_seq, key_len, block_size: int, scale: float,
-            splits: int | None = None) -> torch.Tensor:
+def _triton(q, cache, packed, block_size: int, scale: float, splits: int | None = None) -> torch.Tensor:
     t, h, d = q.shape
     hkv = cache.shape[2]
     group = h // hkv
@@ -71,9 +107,9 @@ def _triton(q, cache, tables, token_seq, key_len, block_size: int, scale: float,
         part = dict(acc=q.new_empty(t, splits, h, d, dtype=torch.float32),
                     m=q.new_empty(t, splits, h, dtype=torch.float32), l=q.new_empty(t, splits, h, dtype=torch.float32))
     _rows_kernel[(t, hkv, splits)](
-        q, cache, out, part["acc"], part["m"], part["l"], tables, token_seq, key_len, scale,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), tables.stride(0),
-        token_seq.stride(0), key_len.stride(0), out.stride(0), out.stride(1),
+        q, cache, out, part["acc"], part["m"], part["l"], packed, scale,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
+        packed.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block_size,
         BLOCK_N=max(64, block_size), SPLITS=splits, IEEE=q.dtype == torch.float32)
     if splits > 1:
@@ -82,18 +118,60 @@ def _triton(q, cache, tables, token_seq, key_len, block_size: int, scale: float,
     return out.view(t, h * d)
 
 
+def _triton_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int) -> torch.Tensor:
+    t, d = qkv.shape[0], cache.shape[-1]
+    q = qkv.new_empty(t, heads, d)
+    _rope_store_kernel[(t, heads + kv_heads)](
+        qkv, cos, sin, cache, packed, q, qkv.stride(0), cos.stride(0), sin.stride(0), packed.stride(0),
+        packed.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), q.stride(0), q.stride(1), HEADS=heads,
+        KV_HEADS=kv_heads, HALF=d // 2)
+    return q
+
+
+MAX_SPLITS = 16  # a split reads at least BLOCK_N (64) keys: at 580 keys only 10 splits have work
+
+
 def _splits(programs: int, device: torch.device) -> int:
     """Split each token's keys over this many programs when few tokens would leave the GPU idle (decode):
-    about two programs per multiprocessor, a power of two, at most 64."""
+    about two programs per multiprocessor, a power of two, at most MAX_SPLITS."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = 2 * sms // programs
-    return 1 if want < 2 else min(64, 1 << (want.bit_length() - 1))
+    return 1 if want < 2 else min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, tables_ptr, seq_ptr, len_ptr, scale,
-                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_table, s_seq, s_len, so_t, so_h,
+    def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, s_qkv, s_cos, s_sin, s_row,
+                           s_col, sc_kv, sc_slot, sc_h, sq_t, sq_h, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                           HALF: tl.constexpr):
+        """Program (token, head): a query head rotated into q, or a KV head's key rotated and its value copied
+        into the token's cache slot. Rotation in float32, rounded once."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        x = qkv_ptr + row * s_qkv + head * 2 * HALF
+        x1 = tl.load(x + i).to(tl.float32)
+        x2 = tl.load(x + HALF + i).to(tl.float32)
+        pos = tl.load(packed_ptr + row * s_row + s_col)
+        dtype = q_ptr.dtype.element_ty  # cos and sin rounded to the model's dtype first, as the eager rotary does
+        c = tl.load(cos_ptr + pos * s_cos + i).to(dtype).to(tl.float32)  # the table repeats its first half
+        s = tl.load(sin_ptr + pos * s_sin + i).to(dtype).to(tl.float32)
+        r1 = (x1 * c - x2 * s).to(dtype)
+        r2 = (x2 * c + x1 * s).to(dtype)
+        if head < HEADS:
+            out = q_ptr + row * sq_t + head * sq_h
+        else:
+            kvh = head - HEADS
+            out = cache_ptr + tl.load(packed_ptr + row * s_row + 2 * s_col) * sc_slot + kvh * sc_h
+            v = qkv_ptr + row * s_qkv + (HEADS + KV_HEADS + kvh) * 2 * HALF
+            tl.store(out + sc_kv + i, tl.load(v + i))
+            tl.store(out + sc_kv + HALF + i, tl.load(v + HALF + i))
+        tl.store(out + i, r1)
+        tl.store(out + HALF + i, r2)
+
+    @triton.jit
+    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, scale,
+                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, so_t, so_h,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
         """Program (token, KV head, split): the split's share of the token's keys, for the KV head's group
@@ -101,11 +179,11 @@ if triton is not None:
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        n = tl.load(len_ptr + row * s_len)
+        n = tl.load(packed_ptr + row * s_row + 3 * s_col)
         chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n)
-        table = tables_ptr + tl.load(seq_ptr + row * s_seq) * s_table
+        table = packed_ptr + row * s_row + 4 * s_col
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D)
         heads = kvh * GROUP + g
@@ -116,7 +194,7 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             valid = j < hi
-            block = tl.load(table + j // BLOCK, mask=valid, other=0)
+            block = tl.load(table + (j // BLOCK) * s_col, mask=valid, other=0)
             at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
             keys = tl.load(cache_ptr + at, mask=valid[:, None], other=0.0)
             if IEEE:
