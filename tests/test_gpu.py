@@ -239,3 +239,12 @@ def test_served_gpu_paths_are_accurate_on_real_weights(smollm2):
         del llm
         torch.cuda.empty_cache()
 
+
+def test_prefill_runs_the_lm_head_on_each_sequence_last_token_only(tiny):
+    """A prompt's other tokens need no logits: outside a graph the LM head sees one row per sequence."""
+    llm = LLM(str(tiny("llama")[0]), dtype="float32", num_blocks=64)
+    rows, logits = [], llm.engine.model.logits
+    llm.engine.model.logits = lambda h: (rows.append(h.shape[0]), logits(h))[1]
+    out = llm.generate([list(range(1, 40)), list(range(50, 70))], greedy(3))
+    assert all(len(o.token_ids) == 3 for o in out)
+    assert rows and max(rows) == 2  # the two prompts' prefill, then the decode steps

@@ -55,20 +55,21 @@ class ModelRunner:
         for a, b in spans:
             n += b - a
             last.append(n - 1)
-        logits, tokens = self.logits(seqs, spans)
-        if n != len(seqs):
-            pick = torch.tensor(last, device=self.device)
-            logits, tokens = logits[pick], None if tokens is None else tokens[pick]
+        pick = None if n == len(seqs) else torch.tensor(last, device=self.device)
+        logits, tokens = self.logits(seqs, spans, pick)
         return sample(logits, seqs, tokens)
 
-    def logits(self, seqs, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, vocab] of every new token by the served path, and their argmax where the step's graph
-        computed it (then the logits are in the model's dtype, else float32)."""
+    def logits(self, seqs, spans: list[tuple[int, int]],
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [T, vocab] of the new tokens (only those at `rows`, if given) by the served path, and their
+        argmax where the step's graph computed it (then the logits are in the model's dtype, else float32).
+        Outside a graph the LM head runs on those rows only: a prefill's other tokens need none."""
         hidden = self.hidden(seqs, spans)
         g = self.graphs
         if g is not None and g.head_ran:
-            return g.logits[:len(hidden)], g.tokens[:len(hidden)]
-        return self.model.logits(hidden), None
+            logits, tokens = g.logits[:len(hidden)], g.tokens[:len(hidden)]
+            return (logits, tokens) if rows is None else (logits[rows], tokens[rows])
+        return self.model.logits(hidden if rows is None else hidden[rows]), None
 
     def hidden(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens, by the path a served step takes: a CUDA graph (or the
