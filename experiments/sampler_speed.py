@@ -33,9 +33,9 @@ from mvllm.engine.sequence import Sequence  # noqa: E402
 from mvllm.profile import decode_steps  # noqa: E402
 
 
-def before(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> list[int]:
+def before(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> torch.Tensor:
     """The per-row sampler of commit 0c406b7 (min_tokens masking left out: no request here uses it; `argmax`,
-    which the engine now passes, ignored)."""
+    which the engine now passes, ignored; the ids returned as a tensor, as the engine now takes them)."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
@@ -55,17 +55,18 @@ def before(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | No
             seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             seq.generator = torch.Generator(device=logits.device).manual_seed(seed)
         tokens[i] = int(torch.multinomial(row.softmax(-1), 1, generator=seq.generator))
-    return tokens
+    return torch.tensor(tokens)
 
 
 def timed(fn, logits, seqs, repeats: int) -> float:
-    fn(logits, seqs)
+    """Median ms of fn, up to its token ids on the host."""
+    fn(logits, seqs).tolist()
     out = []
     for _ in range(repeats):
         if logits.is_cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        fn(logits, seqs)
+        fn(logits, seqs).tolist()
         out.append(time.perf_counter() - t)
     return 1000 * statistics.median(out)
 

@@ -7,7 +7,8 @@
 Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode
 fastest here, see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
 compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs), fused (on|off: the CPU's
-fused float32 kernels).
+fused float32 kernels), overlap (on|off, default off: schedule the next step while the device runs this one;
+not yet timed on a GPU).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -45,6 +46,7 @@ class BackendSpec:
     graphs: bool = True
     compile: bool = True
     fused: bool = True
+    overlap: bool = False
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0
@@ -57,14 +59,14 @@ class BackendSpec:
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
-                            compile=self.compile, fused=self.fused)
+                            compile=self.compile, fused=self.fused, overlap=self.overlap)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
-LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused")
+LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap")
 
 
 def is_url(device: str) -> bool:
@@ -84,7 +86,7 @@ def convert(key: str, value: str, name: str, remote: bool = False):
         raise InvalidRequestError(f"backend {name}: {key} is a setting of a remote backend (NAME=http://HOST:PORT)",
                                   "backends")
     try:
-        if key in ("graphs", "compile", "fused"):
+        if key in ("graphs", "compile", "fused", "overlap"):
             if value not in ("on", "off"):
                 raise ValueError
             return value == "on"

@@ -97,7 +97,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     def first_token(prompt: list[int]) -> tuple[float, int]:
         seq = engine.add_request(prompt, _greedy(1))
         t = time.perf_counter()
-        engine.step()
+        while seq.times.first_token is None:  # one step; two with overlap (launched, then read)
+            engine.step()
         dt = time.perf_counter() - t
         while engine.has_unfinished():
             engine.step()
@@ -159,7 +160,8 @@ def mixed_steps(engine: Engine, batch: int, decoding: Callable[[], list[int]], r
             ids = prompt()
             seq = engine.add_request(ids, _greedy(1))
             t = time.perf_counter()
-            engine.step()
+            while seq.times.first_token is None:
+                engine.step()
             times.append(time.perf_counter() - t)
             uncached.append(len(ids) - seq.num_cached_tokens)
             while engine.has_unfinished():

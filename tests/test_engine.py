@@ -224,7 +224,7 @@ def test_sampler_support(kw, support):
     seq = Sequence([1], SamplingParams(seed=0, **kw))
     counts = [0] * 4
     for _ in range(1500):
-        counts[sample(logits, [seq])[0]] += 1
+        counts[int(sample(logits, [seq])[0])] += 1
     assert {i for i, c in enumerate(counts) if c} == support
     if kw == dict(temperature=1.0):  # the plain distribution, within a few standard errors
         assert all(abs(c / 1500 - p) < 0.05 for c, p in zip(counts, [0.5, 0.3, 0.15, 0.05]))

@@ -147,7 +147,8 @@ class GraphRunner:
             row += n
         return buf
 
-    def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int]) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the graph for `key` (or run the compiled step without one); returns the hidden states
         [T, hidden] of the real tokens. Steps of up to HEAD_ROWS tokens also leave every row's logits (in the
         model's dtype) in self.logits and their argmax in self.tokens (`head_ran`)."""
@@ -157,10 +158,16 @@ class GraphRunner:
         used = max(2, max(len(s.block_table) for s in seqs))  # table columns past a row's context are never read
         self.head_ran = t_pad <= HEAD_ROWS
         if t_pad > self.token_buckets[-1]:  # compiled, beyond the buckets: no graph, only the columns used
-            x = torch.from_numpy(self.pack(seqs, spans, t_pad, used)).to(self.hidden.device)
+            x = torch.from_numpy(self.pack(seqs, spans, t_pad, used)).to(self.hidden.device, non_blocking=True)
+            if fill is not None:
+                x[:, 0].index_copy_(0, *fill)
             return self.step(x)[:rows]
         width = min(self.width, used) if self.compiled else self.width  # plain: the whole row, as before
-        self.inputs[t_pad][:, :4 + width].copy_(torch.from_numpy(self.pack(seqs, spans, t_pad, width)))
+        # not blocking: the host goes on while an earlier step still runs (a pageable source is staged at once)
+        x = self.inputs[t_pad]
+        x[:, :4 + width].copy_(torch.from_numpy(self.pack(seqs, spans, t_pad, width)), non_blocking=True)
+        if fill is not None:
+            x[:, 0].index_copy_(0, *fill)
         graph = self.graphs.get(key)
         if graph is None:  # not captured (tests on CPU run the same layout eagerly)
             self._forward(*key)

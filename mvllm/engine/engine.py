@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from mvllm.engine.block_manager import BlockManager
-from mvllm.engine.model_runner import ModelRunner
+from mvllm.engine.model_runner import Launched, ModelRunner
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.quant import cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
-from mvllm.engine.sequence import Sequence
+from mvllm.engine.sequence import Sequence, Status
 from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
 from mvllm.model.loader import ModelSource, build_model, resolve
 
@@ -37,6 +37,7 @@ class EngineConfig:
     quant: str | None = None  # None: on the CPU, the mode cpu_mode picks for this machine; elsewhere none
     graphs: bool = True
     compile: bool = True  # CUDA: torch.compile + Triton attention where Triton exists (off: eager ops)
+    overlap: bool = False  # schedule step N+1 while step N runs (its tokens read one step later)
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
     picked: str = ""  # how the CPU mode was chosen
 
@@ -125,6 +126,7 @@ class Engine:
                                   config.graphs, config.max_active, self.max_model_len, config.fused,
                                   config.compile)
         self.requests: dict[str, Sequence] = {}
+        self.inflight: Launched | None = None  # overlap: the step launched last, its ids not yet read
         self.on_schedule: Callable[[Batch], None] | None = None
 
     def _blocks_for_budget(self) -> int:
@@ -153,20 +155,50 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        f = self.inflight  # overlap: a launched step holding only ended requests needs no more steps
+        return self.scheduler.has_work() or (f is not None and any(s.status is not Status.FINISHED
+                                                                    for s in f.batch.seqs))
 
     def step(self) -> list[StepOutput]:
+        """Schedule and run one step; returns its tokens. With `overlap`, the step is launched and the tokens
+        returned are the previous step's: the host schedules and packs step N+1 while the device runs step N."""
+        if self.config.overlap:
+            return self._step_overlap()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         if self.on_schedule:
             self.on_schedule(batch)
-        tokens = self.runner.run(batch)
-        now = time.time()
-        finished = {s.request_id for s in self.scheduler.postprocess(batch, tokens, now)}
-        for rid in finished:
+        tokens = self.runner.run(batch).tolist()
+        finished = self.scheduler.postprocess(batch, tokens, time.time())
+        return self._outputs(batch, tokens, finished, batch.seqs)
+
+    def _step_overlap(self) -> list[StepOutput]:
+        prev, self.inflight = self.inflight, None
+        try:
+            batch = self.scheduler.schedule()
+            if batch:
+                if self.on_schedule:
+                    self.on_schedule(batch)
+                self.inflight = self.runner.launch(batch, prev)
+                self.scheduler.launched(batch)
+            if prev is None:
+                return []
+            live = [s for s in prev.batch.seqs if s.status is not Status.FINISHED]
+            tokens = prev.tokens()
+            finished = self.scheduler.land(prev.batch, prev.index, tokens, time.time())
+        except Exception:
+            self.inflight = None  # a failed step ends its requests (the caller aborts them), not the engine
+            raise
+        return self._outputs(prev.batch, tokens, finished, live)
+
+    def _outputs(self, batch: Batch, tokens: list[int], finished: list[Sequence],
+                 live: list[Sequence]) -> list[StepOutput]:
+        done = {s.request_id for s in finished}
+        for rid in done:
             self.requests.pop(rid, None)
-        return [StepOutput(s, t, s.request_id in finished) for s, t in zip(batch.seqs, tokens)]
+        keep = {id(s) for s in live}
+        return [StepOutput(s, t, s.request_id in done) for s, t in zip(batch.seqs, tokens) if id(s) in keep]
 
     def cached_prefix_len(self, token_ids: list[int]) -> int:
         return self.blocks.cached_prefix_len(token_ids)

@@ -10,15 +10,38 @@ through mvllm's fused CPU kernels where they build (`model/fused.py`; `fused=Fal
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mvllm.engine import cpu_fused
 from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample
 from mvllm.engine.scheduler import Batch
+from mvllm.engine.sequence import PENDING
 from mvllm.model import table_attention
 from mvllm.model.attention import build_meta
 from mvllm.model.decoder import Decoder
+
+
+Fill = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose sampled ids are still on their way to the host (overlap): the ids on the device, the
+    row of each sequence's id, where in its token_ids each goes, and the host copy under way."""
+    batch: Batch
+    ids: torch.Tensor
+    rows: dict[str, int]
+    index: list[int]
+    host: torch.Tensor
+    ready: object  # a CUDA event, or None where the copy is already done
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -43,47 +66,72 @@ class ModelRunner:
             self.graphs = GraphRunner(model, self.caches, block_size, max_active, max_model_len, scratch,
                                       capture=self.captured, compiled=self.compiled)
 
+    def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
+        """Run the batch's step and start copying its ids to the host without waiting for them (overlap)."""
+        ids = self.run(batch, prev)
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = ids, None
+        return Launched(batch, ids, {s.request_id: i for i, s in enumerate(batch.seqs)},
+                        [len(s) for s in batch.seqs], host, ready)
+
     @staticmethod
     def kv_bytes_per_token(model_cfg, dtype: torch.dtype) -> int:
         return 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: Batch, prev: Launched | None = None) -> torch.Tensor:
+        """The batch's sampled token ids [B], on the device. `prev`: the step launched before this one, whose
+        ids have not reached the host (overlap): tokens still PENDING are taken from its ids on the device."""
         seqs = batch.seqs
         spans = [(s.num_computed_tokens, len(s)) for s in seqs]
         last, n = [], 0
         for a, b in spans:
             n += b - a
             last.append(n - 1)
+        fill = None
+        if prev is not None:
+            late = [(row, prev.rows[s.request_id]) for row, s in zip(last, seqs) if s.token_ids[-1] == PENDING]
+            if late:
+                dst, src = (torch.tensor(x).to(self.device, non_blocking=True) for x in zip(*late))
+                fill = dst, prev.ids[src]
         pick = None if n == len(seqs) else torch.tensor(last, device=self.device)
-        logits, tokens = self.logits(seqs, spans, pick)
+        logits, tokens = self.logits(seqs, spans, pick, fill)
         return sample(logits, seqs, tokens)
 
-    def logits(self, seqs, spans: list[tuple[int, int]],
-               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logits(self, seqs, spans: list[tuple[int, int]], rows: torch.Tensor | None = None,
+               fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [T, vocab] of the new tokens (only those at `rows`, if given) by the served path, and their
         argmax where the step's graph computed it (then the logits are in the model's dtype, else float32).
         Outside a graph the LM head runs on those rows only: a prefill's other tokens need none."""
-        hidden = self.hidden(seqs, spans)
+        hidden = self.hidden(seqs, spans, fill)
         g = self.graphs
         if g is not None and g.head_ran:
             logits, tokens = g.logits[:len(hidden)], g.tokens[:len(hidden)]
             return (logits, tokens) if rows is None else (logits[rows], tokens[rows])
         return self.model.logits(hidden if rows is None else hidden[rows]), None
 
-    def hidden(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
+    def hidden(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens, by the path a served step takes: a CUDA graph (or the
-        compiled step) where one fits, else eagerly."""
+        compiled step) where one fits, else eagerly. `fill`: (rows, ids) on the device, written over the
+        token ids of those rows (the PENDING ones) before the step runs."""
         key = self.graphs.bucket(spans) if self.graphs else None
         if key is None:
             if self.graphs:
                 self.graphs.head_ran = False
-            return self.forward(seqs, spans)
-        return self.graphs.run(seqs, spans, key)
+            return self.forward(seqs, spans, fill)
+        return self.graphs.run(seqs, spans, key, fill)
 
-    def forward(self, seqs, spans: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
         positions = [p for a, b in spans for p in range(a, b)]
         meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device, self.layout)
         as_long = dict(dtype=torch.long, device=self.device)
-        return self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), self.caches, meta)
+        ids = torch.tensor(ids, **as_long)
+        if fill is not None:
+            ids.index_copy_(0, *fill)
+        return self.model(ids, torch.tensor(positions, **as_long), self.caches, meta)

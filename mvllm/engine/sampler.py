@@ -3,9 +3,9 @@
 One pass over the batch whatever its mix: greedy rows take the argmax; the others are scaled by their
 temperature, cut to their top-k and top-p (within each row's highest CANDIDATES logits where those hold the
 top-p mass, else over the whole row), and drawn by inverting their cumulative distribution at one uniform
-number each. The host syncs once for the token list, and once more where top-p is asked for (to find the
-rows whose candidates fall short). A request with a seed draws its number from its own generator: the same seed gives the same
-tokens, alone or batched with others.
+number each. The host waits for the device only where top-p is asked for (to find the rows whose
+candidates fall short); the caller reads the ids. A request with a seed draws its number from its own
+generator: the same seed gives the same tokens, alone or batched with others.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from mvllm.engine.sequence import Sequence
 CANDIDATES = 1024  # a partial top-k over the vocabulary is cheaper than sorting it (151,936 entries for Qwen)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> list[int]:
-    """logits [B, V] -> one token id per sequence, computed in float32. `argmax`: the logits' argmax, where the
-    step computed it already (inside its CUDA graph): a greedy batch then reads only that."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> one token id per sequence ([B], on the logits' device), computed in float32. `argmax`:
+    the logits' argmax, where the step computed it already (inside its CUDA graph): a greedy batch then reads
+    only that, and nothing waits for the device."""
     early = [(i, s.early_stop_ids) for i, s in enumerate(seqs)
              if s.early_stop_ids and s.num_output_tokens < s.params.min_tokens]
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -33,7 +34,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | No
     if rows:
         drawn = _draw(logits[rows] if len(rows) < len(seqs) else logits, [seqs[i] for i in rows])
         tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), drawn)
-    return tokens.tolist()
+    return tokens
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

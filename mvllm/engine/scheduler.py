@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mvllm.engine.block_manager import BlockManager
-from mvllm.engine.sequence import Sequence, Status
+from mvllm.engine.sequence import PENDING, Sequence, Status
 
 
 @dataclass(slots=True)
@@ -57,6 +57,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted below to make room for an earlier request
+            if self._done(seq):
+                continue  # overlap: its last token, still on its way, ends it ("length")
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -88,26 +90,46 @@ class Scheduler:
 
     def postprocess(self, batch: Batch, tokens: list[int], now: float) -> list[Sequence]:
         """Append each sampled token; return the sequences that finished (their blocks already freed)."""
-        finished = []
-        for seq, token in zip(batch.seqs, tokens):
+        self.launched(batch)
+        return self.land(batch, [len(s) - 1 for s in batch.seqs], tokens, now)
+
+    def launched(self, batch: Batch) -> None:
+        """The batch's step is running: its tokens count as computed, and each sequence holds a PENDING token
+        where the step's sampled one will go."""
+        for seq in batch.seqs:
             seq.num_computed_tokens = len(seq)
-            self.blocks.commit(seq)
-            seq.token_ids.append(token)
+            seq.token_ids.append(PENDING)
+
+    def land(self, batch: Batch, index: list[int], tokens: list[int], now: float) -> list[Sequence]:
+        """The step's sampled tokens reached the host: each goes to token_ids[index] of its sequence (unless it
+        ended meanwhile: aborted, or finished by the step before in overlap); returns those that finished."""
+        finished = []
+        for seq, i, token in zip(batch.seqs, index, tokens):
+            if seq.status is Status.FINISHED:
+                continue
+            seq.token_ids[i] = token
+            if seq.status is Status.RUNNING:
+                self.blocks.commit(seq)
             if seq.times.first_token is None:
                 seq.times.first_token = now
             seq.times.tokens.append(now)
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, i + 1)
             if reason:
-                self.running.remove(seq)
+                del seq.token_ids[i + 1:]  # overlap: the next step's PENDING token, computed in vain
+                (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
                 self._finish(seq, reason, now)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p, n = seq.params, seq.num_output_tokens
+    def _done(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
+
+    def _stop_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Why seq ends with `token`, its length-th token (a later PENDING one may follow it in overlap)."""
+        p, n = seq.params, length - seq.num_prompt_tokens
         if n >= p.min_tokens and ((not p.ignore_eos and token in self.eos) or token in p.stop_token_ids):
             return "stop"
-        if n >= p.max_tokens or len(seq) >= self.max_model_len:
+        if n >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 

@@ -10,6 +10,7 @@ from enum import Enum
 from mvllm.engine.params import SamplingParams
 
 _ids = itertools.count()
+PENDING = -1  # overlap: a token sampled by a step whose ids have not reached the host yet
 
 
 class Status(Enum):
