@@ -23,7 +23,6 @@ from mvllm.model import table_attention
 from mvllm.model.attention import build_meta
 from mvllm.model.decoder import Decoder
 
-
 Fill = tuple[torch.Tensor, torch.Tensor]
 
 
