@@ -61,7 +61,8 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
         key_len = (starts.unsqueeze(1) + new + 1)[valid]
         if layout == "table":
             packed = table_attention.pack_rows(key_len - 1, slot_mapping, key_len, tables, token_seq)
-            return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_size=block_size, packed=packed.to(**as_long))
+            return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_size=block_size,
+                            packed=packed.to(**as_long))
         return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_index=tables.to(**as_long),
                         block_size=block_size, token_seq=token_seq.to(**as_long), key_len=key_len.to(**as_long))
     if not bool(starts.any()):
