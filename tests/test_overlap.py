@@ -5,6 +5,7 @@ in the pool. (Its speed is the GPU's question; here the device is the CPU.)"""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from conftest import prompts
 
@@ -112,3 +113,31 @@ def test_overlap_abort_mid_flight_returns_every_block(llama):
                                                                     ignore_eos=True))
     drain(plain)
     assert b.output_ids == ref.output_ids
+
+
+def test_a_server_with_overlap_answers_as_without_and_returns_every_block(tmp_path):
+    from test_server import BACKENDS, MODEL, complete, pools, start, wait_pools_full
+
+    prompts_ = [list(range(5 + i, 45 + 3 * i)) for i in range(4)]
+    answers = []
+    for overlap in ("off", "on"):
+        folder = tmp_path / overlap
+        folder.mkdir()
+        backends = ",".join(f"{b}/overlap={overlap}" for b in BACKENDS.split(","))
+        server = start(folder, "--policy", "gpu-only", backends=backends)
+        try:
+            assert {b["overlap"] for b in httpx.get(f"{server.url}/v1/backends").json()} == {overlap == "on"}
+            answers.append([complete(server, prompt=p, max_tokens=9, ignore_eos=True).json()["choices"][0]["token_ids"]
+                            for p in prompts_])
+            before = wait_pools_full(server)
+            body = {"prompt": list(range(40)), "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "model": MODEL}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                name, lines = r.headers["x-mvllm-backend"], r.iter_lines()
+                for _ in range(6):
+                    next(lines)
+                assert pools(server)[name][0] < before[name][0]
+            assert wait_pools_full(server) == before  # the client left mid-stream: every block came back
+        finally:
+            server.stop()
+    assert answers[0] == answers[1] and all(len(a) == 9 for a in answers[1])

@@ -37,7 +37,8 @@ def snapshot(engine: Engine, spec: BackendSpec) -> dict:
     b = engine.blocks
     return {"name": spec.name, "device": spec.device, "dtype": str(engine.dtype).removeprefix("torch."),
             "quant": spec.quant, "max_active": engine.scheduler.max_active, "num_blocks": b.num_blocks,
-            "block_size": b.block_size, "max_model_len": engine.max_model_len, "pid": os.getpid(), **load(engine)}
+            "block_size": b.block_size, "max_model_len": engine.max_model_len, "overlap": engine.config.overlap,
+            "pid": os.getpid(), **load(engine)}
 
 
 def worker_main(spec_dict: dict, model: str, commands, events) -> None:
