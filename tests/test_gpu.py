@@ -211,6 +211,18 @@ def test_fast_paths_match_eager(model, dtype, path):
     assert_same_or_tie(got, want, asked, eager, exact=dtype == "float32" or path == "plain-graphs")
 
 
+@cuda
+def test_overlap_on_the_gpu_matches_the_plain_loop():
+    """overlap=on through the compiled CUDA graphs: the ids fed to the next graph on the device, copied to the
+    host behind a CUDA event. The same batches run in both (stops by length only), so the same tokens."""
+    kw = dict(device="cuda", dtype="float32", max_active=16, num_blocks=170)
+    plain, over = LLM("synthetic:qwen2.5-0.5b", **kw), LLM("synthetic:qwen2.5-0.5b", **kw, overlap=True)
+    vocab = plain.engine.source.config.vocab_size - 1
+    assert workload(over, vocab, 496, 24) + churn(over, vocab) == workload(plain, vocab, 496, 24) + churn(plain, vocab)
+    assert over.engine.runner.graphs.replays > 0 and over.engine.scheduler.num_preemptions > 0
+    assert over.engine.blocks.num_free == over.engine.blocks.num_blocks
+
+
 def test_table_layout_through_build_meta_matches_the_standard_layouts(tiny):
     """The layout profile's accuracy pass uses on the GPU, here through the op's PyTorch reference: the whole
     text at once and 4 tokens at a time over the cache."""
