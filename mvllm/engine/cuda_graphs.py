@@ -70,7 +70,6 @@ class GraphRunner:
             # steps of up to HEAD_ROWS tokens also run the LM head and the argmax inside their graph
             self.logits = torch.zeros(HEAD_ROWS, model.cfg.vocab_size, dtype=caches[0].dtype, device=device)
             self.tokens = torch.zeros(HEAD_ROWS, dtype=torch.long, device=device)
-        self.head_ran = False  # the last step's logits and argmax are in self.logits / self.tokens
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.steps = self.replays = 0
         self.step = None
@@ -152,12 +151,11 @@ class GraphRunner:
             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the graph for `key` (or run the compiled step without one); returns the hidden states
         [T, hidden] of the real tokens. Steps of up to HEAD_ROWS tokens also leave every row's logits (in the
-        model's dtype) in self.logits and their argmax in self.tokens (`head_ran`)."""
+        model's dtype) in self.logits and their argmax in self.tokens."""
         t_pad, _ = key
         rows = sum(b - a for a, b in spans)
         self.steps += 1
         used = max(2, max(len(s.block_table) for s in seqs))  # table columns past a row's context are never read
-        self.head_ran = t_pad <= HEAD_ROWS
         if t_pad > self.token_buckets[-1]:  # compiled, beyond the buckets: no graph, only the columns used
             x = torch.from_numpy(self.pack(seqs, spans, t_pad, used)).to(self.hidden.device, non_blocking=True)
             if fill is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mvllm.engine import cpu_fused
+from mvllm.engine.cuda_graphs import HEAD_ROWS, GraphRunner
 from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample
 from mvllm.engine.scheduler import Batch
@@ -60,8 +61,6 @@ class ModelRunner:
         self.layout = "fused" if self.fused else "table" if self.compiled else ""
         self.graphs = None
         if self.captured or self.compiled:
-            from mvllm.engine.cuda_graphs import GraphRunner
-
             self.graphs = GraphRunner(model, self.caches, block_size, max_active, max_model_len, scratch,
                                       capture=self.captured, compiled=self.compiled)
 
@@ -104,26 +103,21 @@ class ModelRunner:
 
     def logits(self, seqs, spans: list[tuple[int, int]], rows: torch.Tensor | None = None,
                fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, vocab] of the new tokens (only those at `rows`, if given) by the served path, and their
-        argmax where the step's graph computed it (then the logits are in the model's dtype, else float32).
-        Outside a graph the LM head runs on those rows only: a prefill's other tokens need none."""
-        hidden = self.hidden(seqs, spans, fill)
-        g = self.graphs
-        if g is not None and g.head_ran:
-            logits, tokens = g.logits[:len(hidden)], g.tokens[:len(hidden)]
-            return (logits, tokens) if rows is None else (logits[rows], tokens[rows])
-        return self.model.logits(hidden if rows is None else hidden[rows]), None
-
-    def hidden(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden] of the new tokens, by the path a served step takes: a CUDA graph (or the
-        compiled step) where one fits, else eagerly. `fill`: (rows, ids) on the device, written over the
-        token ids of those rows (the PENDING ones) before the step runs."""
+        """Logits [T, vocab] of the new tokens (only those at `rows`, if given) by the path a served step
+        takes: a CUDA graph (or the compiled step) where one fits, else eagerly. Steps of up to HEAD_ROWS
+        tokens ran the LM head and the argmax in their graph: their logits are in the model's dtype, with the
+        argmax; elsewhere the LM head runs here, on those rows only (a prefill's other tokens need none), in
+        float32 and without an argmax. `fill`: (rows, ids) on the device, written over the token ids of those
+        rows (the PENDING ones) before the step runs."""
         key = self.graphs.bucket(spans) if self.graphs else None
         if key is None:
-            if self.graphs:
-                self.graphs.head_ran = False
-            return self.forward(seqs, spans, fill)
-        return self.graphs.run(seqs, spans, key, fill)
+            hidden = self.forward(seqs, spans, fill)
+        else:
+            hidden = self.graphs.run(seqs, spans, key, fill)
+            if key[0] <= HEAD_ROWS:
+                g, n = self.graphs, len(hidden)
+                return (g.logits[:n], g.tokens[:n]) if rows is None else (g.logits[rows], g.tokens[rows])
+        return self.model.logits(hidden if rows is None else hidden[rows]), None
 
     def forward(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mvllm.engine import cpu_fused
+
 try:
     import triton
     import triton.language as tl
@@ -50,15 +52,9 @@ def _(qkv, cos, sin, cache, packed, heads, kv_heads):
 
 
 def reference_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int) -> torch.Tensor:
-    """The same in PyTorch, rounding as the decoder's eager rotary does."""
-    t, d = qkv.shape[0], cache.shape[-1]
-    qk, v = qkv.view(t, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=1)
-    cos, sin = (x[packed[:, 1]].unsqueeze(1).to(qkv.dtype) for x in (cos, sin))
-    half = d // 2
-    qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-    cache[0].index_copy_(0, packed[:, 2], qk[:, heads:])
-    cache[1].index_copy_(0, packed[:, 2], v)
-    return qk[:, :heads].contiguous()
+    """The same in PyTorch (the CPU kernels' reference), cos and sin rounded as the decoder's eager rotary."""
+    cos, sin = (x[packed[:, 1]].to(qkv.dtype) for x in (cos, sin))
+    return cpu_fused.reference_rope_store(qkv, cos, sin, cache, packed[:, 2], heads, kv_heads)
 
 
 @torch.library.custom_op("mvllm::table_attention", mutates_args=())
