@@ -1,0 +1,143 @@
+"""The projections of a step of few tokens (decode): one Triton kernel each, with what sits around them fused in.
+
+At a decode step a projection reads its whole weight for a handful of rows, so it is bound by memory and by
+launches. On the H200, cuBLAS read Qwen2.5-0.5B's small QKV and O weights (1-2 MB) at 0.4 TB/s (4.4 µs
+each) and split the down projection's long reduction into a second kernel. `mvllm::linear` is one kernel
+that may also take:
+- the RMSNorm before the projection: each program normalizes the step's few rows itself, as it reads them;
+- the bias;
+- SiLU(gate) * up after a fused gate/up projection (the weight's first half is gate, the second up);
+- the residual add after it.
+A layer is then four of these around rotary-with-cache-write and attention (model/table_attention.py),
+where cuBLAS and inductor took eight kernels and a split-K reduce. Each program owns BLOCK_N output
+columns for every row (rows padded to 16 for the tensor cores) and streams its weight rows once.
+Rounding follows the eager layer: the product is rounded to the model's dtype before the SiLU and before
+the residual add, as separate ops round it. Beyond MAX_ROWS rows, and off CUDA, it runs in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mvllm.model.table_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+MAX_ROWS = 64  # steps of up to this many tokens (every step that runs the LM head in its CUDA graph)
+
+
+def fits(x: torch.Tensor, *layers: nn.Module) -> bool:
+    """Whether a step of x's rows runs its projections through `linear` (plain nn.Linear weights only)."""
+    return x.shape[0] <= MAX_ROWS and all(type(m) is nn.Linear for m in layers)
+
+
+def apply(x: torch.Tensor, layer: nn.Linear, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+          silu: bool = False) -> torch.Tensor:
+    """layer(norm(x)), then SiLU(gate) * up if `silu`, then + residual, as one op."""
+    return torch.ops.mvllm.linear(x, layer.weight, layer.bias, None if norm is None else norm.weight,
+                                  0.0 if norm is None else norm.eps, residual, silu)
+
+
+@torch.library.custom_op("mvllm::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
+           residual: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """x [T, K], weight [N, K] -> [T, N] (N / 2 with silu): rms_norm(x, norm) when norm is given, the
+    projection with its bias, SiLU(first half) * second half when silu, plus residual when given."""
+    if x.is_cuda and triton is not None and x.shape[0] <= MAX_ROWS:
+        return _triton_linear(x, weight, bias, norm, eps, residual, silu)
+    return reference(x, weight, bias, norm, eps, residual, silu)
+
+
+@linear.register_fake
+def _(x, weight, bias, norm, eps, residual, silu):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if silu else weight.shape[0])
+
+
+def reference(x, weight, bias, norm, eps: float, residual, silu: bool) -> torch.Tensor:
+    """The same in PyTorch, op by op as the eager layer runs it."""
+    if norm is not None:
+        x = F.rms_norm(x, norm.shape, norm, eps)
+    y = F.linear(x, weight, bias)
+    if silu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def config(rows: int, n: int, k: int) -> dict:
+    """Block sizes and launch shape for a [rows, k] x [k, n] product (n: output columns)."""
+    block_n = 16 if n <= 2048 else 32  # small weights: more programs, so more of the GPU streams them
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=128, num_warps=4,
+                num_stages=4)
+
+
+def _triton_linear(x, weight, bias, norm, eps: float, residual, silu: bool, **tune) -> torch.Tensor:
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    out = x.new_empty(rows, n)
+    cfg = config(rows, n, k) | tune
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    _linear_kernel[grid](
+        x, weight, x if bias is None else bias, x if norm is None else norm, x if residual is None else residual,
+        out, rows, n, k, eps, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+        out.stride(0), NORM=norm is not None, BIAS=bias is not None, RES=residual is not None, SILU=silu,
+        IEEE=x.dtype == torch.float32, **cfg)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps, s_x, s_w, s_r, s_out,
+                       NORM: tl.constexpr, BIAS: tl.constexpr, RES: tl.constexpr, SILU: tl.constexpr,
+                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program: BLOCK_N output columns for every row (and the matching up columns, with SILU)."""
+        dtype = out_ptr.dtype.element_ty
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        if NORM:  # the rows' mean squares first: a few rows of K, read again from cache below
+            squares = tl.zeros([BLOCK_M], tl.float32)
+            for start in range(0, K, BLOCK_K):
+                k = start + tl.arange(0, BLOCK_K)
+                a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
+                            other=0.0).to(tl.float32)
+                squares += tl.sum(a * a, 1)
+            scale = 1.0 / tl.sqrt(squares / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                a = (a.to(tl.float32) * scale[:, None] * g[None, :]).to(dtype)
+            w_at = w_ptr + cols[:, None] * s_w + k[None, :]
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_at, mask=w_ok, other=0.0)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+            if SILU:
+                w = tl.load(w_at + N * s_w, mask=w_ok, other=0.0)
+                if IEEE:
+                    up += tl.dot(a, tl.trans(w), input_precision="ieee")
+                else:
+                    up += tl.dot(a, tl.trans(w))
+        if BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dtype)  # the projection's output, rounded as the eager layer's
+        if SILU:
+            gate = y.to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            y = (y.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+        out_ok = row_ok[:, None] & col_ok[None, :]
+        if RES:
+            y = (y.to(tl.float32) + tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=out_ok,
+                                            other=0.0).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], y, mask=out_ok)
