@@ -1,4 +1,4 @@
-"""mvllm::linear (model/small_linear.py) against cuBLAS and the eager ops it replaces, on the GPU, same run.
+"""The fused projection kernel of experiments/small_linear.py against cuBLAS and the eager ops it replaces, on the GPU, same run.
 
 For each projection of a model's decode step (QKV with the RMSNorm before it, O with the residual add, gate/up
 with the norm and SiLU * up, down with the residual add) and a few row counts: the microseconds of one call
@@ -6,7 +6,7 @@ inside a CUDA graph that runs it over one weight copy per layer (so the weights 
 cache, as in a real step), for
 - `ops`: the eager ops it replaces (rms_norm, F.linear with cuBLAS, SiLU * up, the add),
 - `cublas`: F.linear alone,
-- `kernel`: mvllm::linear with its default block sizes and split, and each candidate (rows=4), each
+- `kernel`: the fused kernel with its default block sizes and split, and each candidate (rows=4), each
   checked against the reference after its graph replays (the split-K reduction under real concurrency).
     python3 experiments/small_linear_speed.py --out results/small-linear.json
 """
@@ -16,12 +16,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mvllm.model import small_linear
 from mvllm.model.presets import PRESETS
+
+sys.path.insert(0, str(Path(__file__).parent))
+import small_linear  # noqa: E402 - experiments/ is not a package
 
 CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, split=split)
               for bn, bk, split in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8))]
@@ -37,14 +42,15 @@ def shapes(model: str) -> dict:
         cfg["num_hidden_layers"]
 
 
-def timed(fn, layers: int, repeats: int = 20) -> float:
-    """Microseconds per call: a CUDA graph of one call per layer, replayed."""
-    for i in range(layers):
-        fn(i)
+def timed(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
+    """Microseconds per call fn(weight): a CUDA graph of one call per layer's weight, replayed."""
+    layers = len(weights)
+    for w in weights:
+        fn(w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(layers):
-            fn(i)
+        for w in weights:
+            fn(w)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -85,9 +91,9 @@ def main() -> None:
                 err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 assert err < 2e-2, (model, name, rows, err)
                 row = dict(
-                    ops=timed(lambda i: small_linear.reference(x, w[i], **call), layers),
-                    cublas=timed(lambda i: F.linear(x, w[i]), layers),
-                    kernel=timed(lambda i: small_linear._triton_linear(x, w[i], **call), layers),
+                    ops=timed(partial(small_linear.reference, x, **call), w),
+                    cublas=timed(partial(F.linear, x), w),
+                    kernel=timed(partial(small_linear._triton_linear, x, **call), w),
                     mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
                 out["rows"][f"{model}/{name}/{rows}"] = row
@@ -99,14 +105,13 @@ def main() -> None:
                 times = {}
                 for cand in CANDIDATES:
                     key = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**cand)
-                    times[key] = timed(lambda i: small_linear._triton_linear(x, w[i], **call, **cand), layers)
+                    times[key] = timed(partial(small_linear._triton_linear, x, **call, **cand), w)
                     again = small_linear._triton_linear(x, w[0], **call, **cand)
                     err = ((again.float() - want.float()).abs().max() / want.float().abs().max()).item()
                     assert err < 2e-2, (model, name, key, err)
                 best = min(times, key=times.get)
                 out["candidates"][f"{model}/{name}"] = times
                 print(f"    best of {len(times)}: {best} {times[best]} µs", flush=True)
-            del w
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

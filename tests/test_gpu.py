@@ -166,13 +166,23 @@ BF16_TIE = 0.25  # logits: bf16 kernels that round differently may flip a greedy
 def top2_gap(llm: LLM, ids: list[int]) -> float:
     """The gap between the two largest next-token logits after `ids`, on llm's path."""
     got, runner = [], llm.engine.runner
-    runner.logits = lambda seqs, spans: (got.append(type(runner).logits(runner, seqs, spans)), got[-1])[1]
+    runner.logits = lambda *args: (got.append(type(runner).logits(runner, *args)), got[-1])[1]
     try:
         llm.generate([ids], greedy(1))
     finally:
         del runner.logits
     top = got[0][0][-1].float().topk(2).values
     return float(top[0] - top[1])
+
+
+def test_top2_gap_reads_the_served_logits():
+    """The bf16 comparison's tie check (GPU-only when it runs) reads the runner's logits: here on the CPU."""
+    from mvllm.accuracy import logits
+
+    llm = LLM("synthetic:tiny-qwen2", dtype="float32")
+    ids = list(range(1, 40))
+    top = logits(llm.engine.model, ids, torch.device("cpu"), torch.float32)[-1].topk(2).values
+    assert top2_gap(llm, ids) == pytest.approx(float(top[0] - top[1]), abs=1e-5)
 
 
 def assert_same_or_tie(got: list[list[int]], want: list[list[int]], prompts_: list[list[int]], eager: LLM, exact: bool):

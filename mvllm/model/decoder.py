@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mvllm.errors import UnsupportedModelError
-from mvllm.model import small_linear
 from mvllm.model.attention import AttnMeta, paged_attention
 from mvllm.model.config import ModelConfig
 
@@ -84,19 +83,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, cache: torch.Tensor, meta: AttnMeta):
-        if meta.layout == "table":
-            return self.o_proj(self.attend(self.qkv_proj(x), rope, cache, meta))
+        if meta.layout == "table":  # the GPU's kernels: rotary and the cache write in one, attention in one
+            q = torch.ops.mvllm.rope_store(self.qkv_proj(x), *rope, cache, meta.packed, self.heads, self.kv_heads)
+            return self.o_proj(torch.ops.mvllm.table_attention(q, cache, meta.packed, meta.block_size, self.scale))
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = rotate(qk.view(-1, self.heads + self.kv_heads, self.head_dim), rope)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = v.view(-1, self.kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
-
-    def attend(self, qkv: torch.Tensor, rope, cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """The "table" layout (the GPU's kernels) from the QKV projection's output to attention's, before the O
-        projection: rotary with the cache write in one op, attention through the block table in another."""
-        q = torch.ops.mvllm.rope_store(qkv, *rope, cache, meta.packed, self.heads, self.kv_heads)
-        return torch.ops.mvllm.table_attention(q, cache, meta.packed, meta.block_size, self.scale)
 
 
 class MLP(nn.Module):
@@ -119,16 +113,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, cache, meta):
-        attn, mlp = self.self_attn, self.mlp
-        if meta.layout == "table" and small_linear.fits(x, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                        mlp.down_proj):
-            # few tokens (decode): the norms, bias, SiLU and residual adds inside the four projections' kernels
-            qkv = small_linear.apply(x, attn.qkv_proj, norm=self.input_layernorm)
-            x = small_linear.apply(attn.attend(qkv, rope, cache, meta), attn.o_proj, residual=x)
-            h = small_linear.apply(x, mlp.gate_up_proj, norm=self.post_attention_layernorm, silu=True)
-            return small_linear.apply(h, mlp.down_proj, residual=x)
-        x = x + attn(self.input_layernorm(x), rope, cache, meta)
-        return x + mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):

@@ -1,25 +1,26 @@
-"""The projections of a step of few tokens (decode): one Triton kernel each, with what sits around them fused in.
+"""An experiment, not wired into the engine: the projections of a decode step, one Triton kernel each, with
+what sits around them fused in. Measured on the H200 (experiments/small_linear_speed.py), it lost to cuBLAS on
+Qwen2.5-0.5B's larger weights and made decode slower end to end (results/profile/README.md). Wired in, a layer
+was four of these around rotary-with-cache-write and attention, where cuBLAS and inductor take eight kernels
+and a split-K reduce.
 
-At a decode step a projection reads its whole weight for a handful of rows, so it is bound by memory and by
-launches. On the H200, cuBLAS read Qwen2.5-0.5B's small QKV and O weights (1-2 MB) at 0.4 TB/s (4.4 µs
-each) and split the down projection's long reduction into a second kernel. `mvllm::linear` is one kernel
-that may also take:
-- the RMSNorm before the projection: each program normalizes the step's few rows itself, as it reads them;
+A decode step's projection reads its whole weight for a handful of rows, so it is bound by memory and by
+launches. `linear` is one kernel that may also take:
+- the RMSNorm before the projection: x's squares are summed as the rows are read, and the per-row scale is
+  applied to the product at the end (norm(x) W^T = rstd * ((x * g) W^T));
 - the bias;
 - SiLU(gate) * up after a fused gate/up projection (the weight's first half is gate, the second up);
 - the residual add after it.
-A layer is then four of these around rotary-with-cache-write and attention (model/table_attention.py),
-where cuBLAS and inductor took eight kernels and a split-K reduce. Each program owns BLOCK_N output
-columns for every row (rows padded to 16 for the tensor cores) and streams its weight rows once.
+Each program owns BLOCK_N output columns for every row (rows padded to 16 for the tensor cores) over a share
+of K; with several shares (split-K), the last program of a column block to finish adds up the partial sums.
 Rounding follows the eager layer: the product is rounded to the model's dtype before the SiLU and before
-the residual add, as separate ops round it. Beyond MAX_ROWS rows, and off CUDA, it runs in PyTorch.
+the residual add. Beyond MAX_ROWS rows, and off CUDA, it runs in PyTorch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mvllm.model.table_attention import triton
 
@@ -29,19 +30,7 @@ if triton is not None:
 MAX_ROWS = 16  # steps of up to this many tokens (decode batches); beyond, cuBLAS and inductor were faster
 
 
-def fits(x: torch.Tensor, *layers: nn.Module) -> bool:
-    """Whether a step of x's rows runs its projections through `linear` (plain nn.Linear weights only)."""
-    return x.shape[0] <= MAX_ROWS and all(type(m) is nn.Linear for m in layers)
-
-
-def apply(x: torch.Tensor, layer: nn.Linear, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-          silu: bool = False) -> torch.Tensor:
-    """layer(norm(x)), then SiLU(gate) * up if `silu`, then + residual, as one op."""
-    return torch.ops.mvllm.linear(x, layer.weight, layer.bias, None if norm is None else norm.weight,
-                                  0.0 if norm is None else norm.eps, residual, silu)
-
-
-@torch.library.custom_op("mvllm::linear", mutates_args=())
+@torch.library.custom_op("experiment::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
            residual: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """x [T, K], weight [N, K] -> [T, N] (N / 2 with silu): rms_norm(x, norm) when norm is given, the
