@@ -1,11 +1,11 @@
 """An experiment, not wired into the engine: the projections of a decode step, one Triton kernel each, with
 what sits around them fused in. Measured on the H200 (experiments/small_linear_speed.py), it lost to cuBLAS on
-Qwen2.5-0.5B's larger weights and made decode slower end to end (results/profile/README.md). Wired in, a layer
-was four of these around rotary-with-cache-write and attention, where cuBLAS and inductor take eight kernels
-and a split-K reduce.
+Qwen2.5-0.5B's larger weights and made decode slower end to end (results/profile/README.md). Wired in (commits
+ff97455 and 3451b21), a layer ran four of these around rotary-with-cache-write and attention, where cuBLAS and
+inductor run eight kernels: four GEMMs, a split-K reduce, two norms with their residual adds, and the SiLU.
 
 A decode step's projection reads its whole weight for a handful of rows, so it is bound by memory and by
-launches. `linear` is one kernel that may also take:
+launches. `triton_linear` is one kernel that may also take:
 - the RMSNorm before the projection: x's squares are summed as the rows are read, and the per-row scale is
   applied to the product at the end (norm(x) W^T = rstd * ((x * g) W^T));
 - the bias;
@@ -14,7 +14,7 @@ launches. `linear` is one kernel that may also take:
 Each program owns BLOCK_N output columns for every row (rows padded to 16 for the tensor cores) over a share
 of K; with several shares (split-K), the last program of a column block to finish adds up the partial sums.
 Rounding follows the eager layer: the product is rounded to the model's dtype before the SiLU and before
-the residual add. Beyond MAX_ROWS rows, and off CUDA, it runs in PyTorch.
+the residual add. `reference` is the same in PyTorch.
 """
 
 from __future__ import annotations
@@ -26,24 +26,6 @@ from mvllm.model.table_attention import triton
 
 if triton is not None:
     import triton.language as tl
-
-MAX_ROWS = 16  # steps of up to this many tokens (decode batches); beyond, cuBLAS and inductor were faster
-
-
-@torch.library.custom_op("experiment::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
-           residual: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """x [T, K], weight [N, K] -> [T, N] (N / 2 with silu): rms_norm(x, norm) when norm is given, the
-    projection with its bias, SiLU(first half) * second half when silu, plus residual when given."""
-    if x.is_cuda and triton is not None and x.shape[0] <= MAX_ROWS:
-        return _triton_linear(x, weight, bias, norm, eps, residual, silu)
-    return reference(x, weight, bias, norm, eps, residual, silu)
-
-
-@linear.register_fake
-def _(x, weight, bias, norm, eps, residual, silu):
-    return x.new_empty(x.shape[0], weight.shape[0] // 2 if silu else weight.shape[0])
-
 
 def reference(x, weight, bias, norm, eps: float, residual, silu: bool) -> torch.Tensor:
     """The same in PyTorch, op by op as the eager layer runs it."""
@@ -70,7 +52,7 @@ def config(rows: int, n: int, k: int, silu: bool, device: torch.device) -> dict:
                 num_warps=4, num_stages=4)
 
 
-def _triton_linear(x, weight, bias, norm, eps: float, residual, silu: bool, **tune) -> torch.Tensor:
+def triton_linear(x, weight, bias, norm, eps: float, residual, silu: bool, **tune) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = x.new_empty(rows, n)

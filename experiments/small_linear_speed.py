@@ -1,4 +1,5 @@
-"""The fused projection kernel of experiments/small_linear.py against cuBLAS and the eager ops it replaces, on the GPU, same run.
+"""The fused projection kernel of experiments/small_linear.py against cuBLAS and the eager ops it replaces, on the
+GPU, in the same run.
 
 For each projection of a model's decode step (QKV with the RMSNorm before it, O with the residual add, gate/up
 with the norm and SiLU * up, down with the residual add) and a few row counts: the microseconds of one call
@@ -87,13 +88,13 @@ def main() -> None:
                 r = torch.randn(rows, n_out, device=dev, dtype=dt) if kind.get("res") else None
                 call = dict(bias=b, norm=g, eps=1e-6, residual=r, silu=bool(kind.get("silu")))
                 want = small_linear.reference(x, w[0], **call)
-                got = small_linear._triton_linear(x, w[0], **call)
+                got = small_linear.triton_linear(x, w[0], **call)
                 err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 assert err < 2e-2, (model, name, rows, err)
                 row = dict(
                     ops=timed(partial(small_linear.reference, x, **call), w),
                     cublas=timed(partial(F.linear, x), w),
-                    kernel=timed(partial(small_linear._triton_linear, x, **call), w),
+                    kernel=timed(partial(small_linear.triton_linear, x, **call), w),
                     mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
                 out["rows"][f"{model}/{name}/{rows}"] = row
@@ -105,8 +106,8 @@ def main() -> None:
                 times = {}
                 for cand in CANDIDATES:
                     key = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**cand)
-                    times[key] = timed(partial(small_linear._triton_linear, x, **call, **cand), w)
-                    again = small_linear._triton_linear(x, w[0], **call, **cand)
+                    times[key] = timed(partial(small_linear.triton_linear, x, **call, **cand), w)
+                    again = small_linear.triton_linear(x, w[0], **call, **cand)
                     err = ((again.float() - want.float()).abs().max() / want.float().abs().max()).item()
                     assert err < 2e-2, (model, name, key, err)
                 best = min(times, key=times.get)
