@@ -29,6 +29,7 @@ import torch
 from mvllm.engine.sequence import Sequence
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
+from mvllm.model.gpu_ops import fold_norms
 
 TOKEN_BUCKETS = (8, 16, 32, 64)
 HEAD_ROWS = TOKEN_BUCKETS[-1]  # steps up to this many tokens run the LM head (and argmax) in their graph
@@ -74,6 +75,7 @@ class GraphRunner:
         self.steps = self.replays = 0
         self.step = None
         if compiled:
+            fold_norms(model)
             use_compile_cache()
             self.step = torch.compile(self._table_step, dynamic=True, fullgraph=True)
         if capture:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mvllm.errors import UnsupportedModelError
+from mvllm.model import gpu_ops  # noqa: F401 - registers mvllm::silu_mul and mvllm::linear_add
 from mvllm.model.attention import AttnMeta, paged_attention
 from mvllm.model.config import ModelConfig
 
@@ -83,9 +84,6 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, cache: torch.Tensor, meta: AttnMeta):
-        if meta.layout == "table":  # the GPU's kernels: rotary and the cache write in one, attention in one
-            q = torch.ops.mvllm.rope_store(self.qkv_proj(x), *rope, cache, meta.packed, self.heads, self.kv_heads)
-            return self.o_proj(torch.ops.mvllm.table_attention(q, cache, meta.packed, meta.block_size, self.scale))
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = rotate(qk.view(-1, self.heads + self.kv_heads, self.head_dim), rope)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
@@ -111,10 +109,31 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.folded = False  # the norms' weights multiplied into qkv_proj and gate_up_proj (gpu_ops.fold_norms)
 
     def forward(self, x, rope, cache, meta):
+        if meta.layout == "table":
+            return self._table(x, rope, cache, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _table(self, x, rope, cache, meta):
+        """The GPU's compiled layer: rotary with the cache write (and the QKV bias) in one kernel, attention
+        through the block table in one. Folded (model/gpu_ops.py): no norm kernels, the kernels after qkv_proj
+        and gate_up_proj scale each row by its RMSNorm rstd, and the residual adds happen inside o_proj and
+        down_proj. Unfolded (any Linear, CPU-packed too): the norms and the rest as modules."""
+        attn, ops = self.self_attn, torch.ops.mvllm
+        if not self.folded:
+            q = ops.rope_store(attn.qkv_proj(self.input_layernorm(x)), *rope, cache, meta.packed, attn.heads,
+                               attn.kv_heads)
+            x = x + attn.o_proj(ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        q = ops.rope_store(F.linear(x, attn.qkv_proj.weight), *rope, cache, meta.packed, attn.heads, attn.kv_heads,
+                           attn.qkv_proj.bias, x, self.input_layernorm.eps)
+        out = ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale)
+        x = ops.linear_add(out, attn.o_proj.weight, attn.o_proj.bias, x)
+        h = ops.silu_mul(F.linear(x, self.mlp.gate_up_proj.weight), x, self.post_attention_layernorm.eps)
+        return ops.linear_add(h, self.mlp.down_proj.weight, None, x)
 
 
 class Decoder(nn.Module):

@@ -16,6 +16,8 @@ read the step's packed input (one row per token: token id, position, slot, key l
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -36,24 +38,31 @@ def available(device: torch.device) -> bool:
 
 @torch.library.custom_op("mvllm::rope_store", mutates_args=("cache",))
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor,
-               heads: int, kv_heads: int) -> torch.Tensor:
+               heads: int, kv_heads: int, bias: Optional[torch.Tensor] = None, x: Optional[torch.Tensor] = None,
+               eps: float = 0.0) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * D] (q | k | v), cos/sin [positions, D] (the whole rotary tables) ->
     rotated q [T, heads, D]; the rotated k and v written into cache[0] and cache[1] at each token's slot.
     packed [T, 4 + W]: each token's (token id, position, slot, key length, block table), the compiled step's
-    input itself (slicing it here costs no kernel; columns handed to the op would each be copied)."""
+    input itself (slicing it here costs no kernel; columns handed to the op would each be copied).
+    With `x` (norms folded into the projection, model/gpu_ops.py) each row is first scaled by RMSNorm's
+    rstd(x); then `bias` is added."""
     if qkv.is_cuda and triton is not None:
-        return _triton_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads)
-    return reference_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads)
+        return _triton_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads, bias, x, eps)
+    return reference_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads, bias, x, eps)
 
 
 @rope_store.register_fake
-def _(qkv, cos, sin, cache, packed, heads, kv_heads):
+def _(qkv, cos, sin, cache, packed, heads, kv_heads, bias=None, x=None, eps=0.0):
     return qkv.new_empty(qkv.shape[0], heads, cache.shape[-1])
 
 
-def reference_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int) -> torch.Tensor:
+def reference_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int, bias=None, x=None,
+                         eps: float = 0.0) -> torch.Tensor:
     """The same in PyTorch (the CPU kernels' reference), cos and sin rounded as the decoder's eager rotary."""
-    cos, sin = (x[packed[:, 1]].to(qkv.dtype) for x in (cos, sin))
+    if x is not None or bias is not None:
+        y = qkv.float() if x is None else qkv.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        qkv = (y if bias is None else y + bias.float()).to(qkv.dtype)
+    cos, sin = (t[packed[:, 1]].to(qkv.dtype) for t in (cos, sin))
     return cpu_fused.reference_rope_store(qkv, cos, sin, cache, packed[:, 2], heads, kv_heads)
 
 
@@ -114,13 +123,17 @@ def _triton(q, cache, packed, block_size: int, scale: float, splits: int | None 
     return out.view(t, h * d)
 
 
-def _triton_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int) -> torch.Tensor:
+def _triton_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int, bias=None, x=None,
+                       eps: float = 0.0) -> torch.Tensor:
     t, d = qkv.shape[0], cache.shape[-1]
     q = qkv.new_empty(t, heads, d)
+    hidden = 1 if x is None else x.shape[1]
     _rope_store_kernel[(t, heads + kv_heads)](
-        qkv, cos, sin, cache, packed, q, qkv.stride(0), cos.stride(0), sin.stride(0), packed.stride(0),
-        packed.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), q.stride(0), q.stride(1), HEADS=heads,
-        KV_HEADS=kv_heads, HALF=d // 2)
+        qkv, cos, sin, cache, packed, q, qkv if bias is None else bias, qkv if x is None else x, eps, hidden,
+        qkv.stride(0), cos.stride(0), sin.stride(0), packed.stride(0), packed.stride(1), cache.stride(0),
+        cache.stride(1), cache.stride(2), q.stride(0), q.stride(1), 0 if x is None else x.stride(0), HEADS=heads,
+        KV_HEADS=kv_heads, HALF=d // 2, BIAS=bias is not None, NORM=x is not None,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)))
     return q
 
 
@@ -137,19 +150,28 @@ def _splits(programs: int, device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit
-    def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, s_qkv, s_cos, s_sin, s_row,
-                           s_col, sc_kv, sc_slot, sc_h, sq_t, sq_h, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                           HALF: tl.constexpr):
+    def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, b_ptr, x_ptr, eps, HIDDEN,
+                           s_qkv, s_cos, s_sin, s_row, s_col, sc_kv, sc_slot, sc_h, sq_t, sq_h, s_x,
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BIAS: tl.constexpr,
+                           NORM: tl.constexpr, BLOCK_H: tl.constexpr):
         """Program (token, head): a query head rotated into q, or a KV head's key rotated and its value copied
-        into the token's cache slot. Rotation in float32, rounded once."""
+        into the token's cache slot. Rotation in float32, rounded once. NORM: the row is first scaled by
+        rstd(x), summed here from the row of x; BIAS: the bias is added after."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
-        x = qkv_ptr + row * s_qkv + head * 2 * HALF
-        x1 = tl.load(x + i).to(tl.float32)
-        x2 = tl.load(x + HALF + i).to(tl.float32)
-        pos = tl.load(packed_ptr + row * s_row + s_col)
         dtype = q_ptr.dtype.element_ty  # cos and sin rounded to the model's dtype first, as the eager rotary does
+        scale = 1.0
+        if NORM:
+            squares = tl.zeros([BLOCK_H], tl.float32)
+            for start in range(0, HIDDEN, BLOCK_H):
+                h = start + tl.arange(0, BLOCK_H)
+                v = tl.load(x_ptr + row * s_x + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+                squares += v * v
+            scale = 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
+        x1 = _scaled(qkv_ptr + row * s_qkv, b_ptr, head * 2 * HALF + i, scale, NORM, BIAS)
+        x2 = _scaled(qkv_ptr + row * s_qkv, b_ptr, head * 2 * HALF + HALF + i, scale, NORM, BIAS)
+        pos = tl.load(packed_ptr + row * s_row + s_col)
         c = tl.load(cos_ptr + pos * s_cos + i).to(dtype).to(tl.float32)  # the table repeats its first half
         s = tl.load(sin_ptr + pos * s_sin + i).to(dtype).to(tl.float32)
         r1 = (x1 * c - x2 * s).to(dtype)
@@ -159,11 +181,22 @@ if triton is not None:
         else:
             kvh = head - HEADS
             out = cache_ptr + tl.load(packed_ptr + row * s_row + 2 * s_col) * sc_slot + kvh * sc_h
-            v = qkv_ptr + row * s_qkv + (HEADS + KV_HEADS + kvh) * 2 * HALF
-            tl.store(out + sc_kv + i, tl.load(v + i))
-            tl.store(out + sc_kv + HALF + i, tl.load(v + HALF + i))
+            v = (HEADS + KV_HEADS + kvh) * 2 * HALF
+            tl.store(out + sc_kv + i, _scaled(qkv_ptr + row * s_qkv, b_ptr, v + i, scale, NORM, BIAS).to(dtype))
+            tl.store(out + sc_kv + HALF + i,
+                     _scaled(qkv_ptr + row * s_qkv, b_ptr, v + HALF + i, scale, NORM, BIAS).to(dtype))
         tl.store(out + i, r1)
         tl.store(out + HALF + i, r2)
+
+    @triton.jit
+    def _scaled(row_ptr, b_ptr, cols, scale, NORM: tl.constexpr, BIAS: tl.constexpr):
+        """Columns of one row of the projection in float32, times the norm's scale, plus the bias."""
+        y = tl.load(row_ptr + cols).to(tl.float32)
+        if NORM:
+            y = y * scale
+        if BIAS:
+            y += tl.load(b_ptr + cols).to(tl.float32)
+        return y
 
     @triton.jit
     def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, scale,

@@ -1,0 +1,198 @@
+"""The compiled GPU step's layer with fewer kernels: the RMSNorms folded into the projections they feed, and
+the residual adds into the projections that end each half of the layer.
+
+A decode step is bound by its ~11 kernels per layer, not by its bytes. Two changes take three of them away:
+- **Norms folded** (`fold_norms`): norm(x) W^T = rstd(x) * (x (W * g)^T), so the RMSNorm's weight g is
+  multiplied into the QKV and gate/up weights once at start-up (and set to one, so every other path of the
+  same model computes the same function). cuBLAS then reads the residual stream x itself, and the kernel
+  after it scales each row by rstd(x), summing the row's squares itself: `mvllm::rope_store` (with the QKV
+  bias, now added after the scale) and `mvllm::silu_mul` here. The two norm kernels of a layer go.
+- **Residual adds in the projection** (`mvllm::linear_add`): for steps of a few rows, one Triton kernel
+  computes residual + x W^T, splitting K over several programs where the weight is large and letting the
+  last program of each column block add up the partial sums (no second kernel, as cuBLAS's split-K needs).
+  Larger steps (prefill) run cuBLAS and an add.
+Rounding: the products are rounded to the model's dtype as the eager layer's are, then scaled, the SiLU and
+the add done in float32 and rounded once. The PyTorch references run where Triton does not (CPU tests)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mvllm.model.table_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+SMALL_ROWS = 16  # linear_add: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
+
+
+def fold_norms(model) -> None:
+    """Multiply each layer's RMSNorm weights into the projection after it, and set them to one."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                               (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                proj.weight.copy_((proj.weight.float() * norm.weight.float()).to(proj.weight.dtype))
+                norm.weight.fill_(1.0)
+            layer.folded = True
+
+
+def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's per-row scale [T, 1] in float32."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+@torch.library.custom_op("mvllm::silu_mul", mutates_args=())
+def silu_mul(gate_up: torch.Tensor, x: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> SiLU(gate * r) * (up * r) [T, I], r = rstd(x) per row (1 without x)."""
+    if gate_up.is_cuda and triton is not None:
+        return _triton_silu_mul(gate_up, x, eps)
+    return reference_silu_mul(gate_up, x, eps)
+
+
+@silu_mul.register_fake
+def _(gate_up, x, eps):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+def reference_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
+    y = gate_up.float() if x is None else gate_up.float() * rstd(x, eps)
+    gate, up = y.chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+@torch.library.custom_op("mvllm::linear_add", mutates_args=())
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               residual: torch.Tensor) -> torch.Tensor:
+    """residual + x W^T (+ bias), the product rounded to the dtype before the add as the eager layer does."""
+    if x.is_cuda and triton is not None and x.shape[0] <= SMALL_ROWS:
+        return _triton_linear_add(x, weight, bias, residual)
+    return reference_linear_add(x, weight, bias, residual)
+
+
+@linear_add.register_fake
+def _(x, weight, bias, residual):
+    return residual.new_empty(residual.shape)
+
+
+def reference_linear_add(x, weight, bias, residual) -> torch.Tensor:
+    return residual + F.linear(x, weight, bias)
+
+
+def _triton_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(t, inter)
+    block = 1024
+    hidden = 1 if x is None else x.shape[1]
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+        gate_up, gate_up if x is None else x, out, gate_up.stride(0), 0 if x is None else x.stride(0),
+        out.stride(0), inter, hidden, eps, NORM=x is not None, BLOCK=block,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)))
+    return out
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def config(rows: int, n: int, k: int) -> dict:
+    """Block sizes and the split of K for residual + [rows, k] x [k, n]: a column block of 32 per program,
+    and K split in shares of about 384 where it is over 1,024 (at most 8), so a large weight is streamed
+    by a few hundred programs. Measured on the H200 at 4 rows (experiments/small_linear_speed.py)."""
+    split = 1 if k <= 1024 else min(8, 1 << ((k // 384).bit_length() - 1))
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
+
+
+def _triton_linear_add(x, weight, bias, residual, **tune) -> torch.Tensor:
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = residual.new_empty(rows, n)
+    cfg = config(rows, n, k) | tune
+    split = cfg.pop("split")
+    blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, k_split)
+    ws = counter = out  # unused without a split
+    if split > 1:  # partial sums, added up by the last program of each column block to finish
+        ws = x.new_empty(split * cfg["BLOCK_M"] * n, dtype=torch.float32)
+        counter = _counters.get(x.device)
+        if counter is None or counter.numel() < blocks:  # zeros; each program that adds up sets its own back
+            counter = _counters[x.device] = torch.zeros(max(4096, blocks), dtype=torch.int32, device=x.device)
+    _linear_add_kernel[(blocks, split)](
+        x, weight, x if bias is None else bias, residual, out, ws, counter, rows, n, k, k_split, x.stride(0),
+        weight.stride(0), residual.stride(0), out.stride(0), BIAS=bias is not None, SPLIT=split,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, INTER, HIDDEN, eps, NORM: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program (row, column block): the row's rstd from x (NORM), then SiLU(gate) * up in float32."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < INTER
+        gate = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        if NORM:
+            squares = tl.zeros([BLOCK_H], tl.float32)
+            for start in range(0, HIDDEN, BLOCK_H):
+                h = start + tl.arange(0, BLOCK_H)
+                v = tl.load(x_ptr + row * s_x + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+                squares += v * v
+            scale = 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
+            gate = gate * scale
+            up = up * scale
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _linear_add_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_SPLIT, s_x, s_w,
+                           s_r, s_out, BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (column block, split): BLOCK_N output columns of every row over the split's share of K.
+        Rows are padded to BLOCK_M (at least 16) for the tensor cores."""
+        block = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        lo = split * K_SPLIT
+        hi = tl.minimum(lo + K_SPLIT, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(lo, hi, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < hi
+            a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        if SPLIT > 1:  # partial sums out; the last program of this column block to finish adds them up
+            part = (split * BLOCK_M + rows)[:, None] * N + cols[None, :]
+            tl.store(ws_ptr + part, acc, mask=col_ok[None, :])
+            if tl.atomic_add(count_ptr + block, 1) == SPLIT - 1:  # acq_rel: the other splits' stores are seen
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(0, SPLIT):
+                    part = (s * BLOCK_M + rows)[:, None] * N + cols[None, :]
+                    acc += tl.load(ws_ptr + part, mask=col_ok[None, :], other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + block, 0)  # ready for the next call (and the next graph replay)
+                _add_out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS)
+        else:
+            _add_out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS)
+
+    @triton.jit
+    def _add_out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr):
+        """The bias, the product rounded to the output's dtype, then the residual added and rounded once."""
+        dtype = out_ptr.dtype.element_ty
+        if BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        res = tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], (acc.to(dtype).to(tl.float32) + res).to(dtype),
+                 mask=ok)
