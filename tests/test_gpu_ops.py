@@ -8,12 +8,11 @@ import os
 
 import pytest
 import torch
+from test_gpu import rope_case
 
 from mvllm import LLM
 from mvllm.accuracy import logits
 from mvllm.model import gpu_ops, table_attention
-
-from test_gpu import rope_case
 
 needs_triton = pytest.mark.skipif(table_attention.triton is None, reason="Triton is not installed (CPU builds "
                                   "of torch ship without it); the kernels run on the GPU machine's tests")
@@ -73,7 +72,7 @@ def test_linear_add_kernel_matches_reference():
     g = torch.Generator().manual_seed(1)
     for dtype, tol in dtypes():
         for rows, n, k, bias in ((1, 896, 896, False), (4, 576, 1536, True), (16, 100, 4864, False),
-                                 (3, 40, 200, True)):
+                                 (3, 40, 200, True), (32, 64, 1100, False)):
             x = torch.randn(rows, k, generator=g).to(dev, dtype)
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dtype)
             b = torch.randn(n, generator=g).to(dev, dtype) if bias else None

@@ -26,7 +26,7 @@ from mvllm.model.table_attention import triton
 if triton is not None:
     import triton.language as tl
 
-SMALL_ROWS = 16  # linear_add: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
+SMALL_ROWS = 32  # linear_add: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
 
 
 def fold_norms(model) -> None:
@@ -99,9 +99,9 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 def config(rows: int, n: int, k: int) -> dict:
     """Block sizes and the split of K for residual + [rows, k] x [k, n]: a column block of 32 per program,
-    and K split in shares of about 384 where it is over 1,024 (at most 8), so a large weight is streamed
+    and K split in shares of at least 192 where it is over 1,024 (at most 8), so a large weight is streamed
     by a few hundred programs. Measured on the H200 at 4 rows (experiments/small_linear_speed.py)."""
-    split = 1 if k <= 1024 else min(8, 1 << ((k // 384).bit_length() - 1))
+    split = 1 if k <= 1024 else min(8, 1 << ((k // 192).bit_length() - 1))
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
 
 

@@ -161,42 +161,43 @@ if triton is not None:
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
         dtype = q_ptr.dtype.element_ty  # cos and sin rounded to the model's dtype first, as the eager rotary does
-        scale = 1.0
+        # every load first (the norm's sum waits on a barrier, and loads are not moved above one)
+        kvh = tl.maximum(head - HEADS, 0)
+        kv_only = i < (head >= HEADS).to(tl.int32) * HALF  # loads of the value: for a KV head's program only
+        at = head * 2 * HALF + i
+        v_at = (HEADS + KV_HEADS + kvh) * 2 * HALF + i
+        y = qkv_ptr + row * s_qkv
+        x1 = tl.load(y + at).to(tl.float32)
+        x2 = tl.load(y + HALF + at).to(tl.float32)
+        v1 = tl.load(y + v_at, mask=kv_only, other=0.0).to(tl.float32)
+        v2 = tl.load(y + HALF + v_at, mask=kv_only, other=0.0).to(tl.float32)
+        pos = tl.load(packed_ptr + row * s_row + s_col)
+        slot = tl.load(packed_ptr + row * s_row + 2 * s_col)
+        c = tl.load(cos_ptr + pos * s_cos + i).to(dtype).to(tl.float32)  # the table repeats its first half
+        s = tl.load(sin_ptr + pos * s_sin + i).to(dtype).to(tl.float32)
         if NORM:
             squares = tl.zeros([BLOCK_H], tl.float32)
             for start in range(0, HIDDEN, BLOCK_H):
                 h = start + tl.arange(0, BLOCK_H)
-                v = tl.load(x_ptr + row * s_x + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
-                squares += v * v
+                xs = tl.load(x_ptr + row * s_x + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+                squares += xs * xs
             scale = 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
-        x1 = _scaled(qkv_ptr + row * s_qkv, b_ptr, head * 2 * HALF + i, scale, NORM, BIAS)
-        x2 = _scaled(qkv_ptr + row * s_qkv, b_ptr, head * 2 * HALF + HALF + i, scale, NORM, BIAS)
-        pos = tl.load(packed_ptr + row * s_row + s_col)
-        c = tl.load(cos_ptr + pos * s_cos + i).to(dtype).to(tl.float32)  # the table repeats its first half
-        s = tl.load(sin_ptr + pos * s_sin + i).to(dtype).to(tl.float32)
+            x1, x2, v1, v2 = x1 * scale, x2 * scale, v1 * scale, v2 * scale
+        if BIAS:
+            x1 += tl.load(b_ptr + at).to(tl.float32)
+            x2 += tl.load(b_ptr + HALF + at).to(tl.float32)
+            v1 += tl.load(b_ptr + v_at, mask=kv_only, other=0.0).to(tl.float32)
+            v2 += tl.load(b_ptr + HALF + v_at, mask=kv_only, other=0.0).to(tl.float32)
         r1 = (x1 * c - x2 * s).to(dtype)
         r2 = (x2 * c + x1 * s).to(dtype)
         if head < HEADS:
             out = q_ptr + row * sq_t + head * sq_h
         else:
-            kvh = head - HEADS
-            out = cache_ptr + tl.load(packed_ptr + row * s_row + 2 * s_col) * sc_slot + kvh * sc_h
-            v = (HEADS + KV_HEADS + kvh) * 2 * HALF
-            tl.store(out + sc_kv + i, _scaled(qkv_ptr + row * s_qkv, b_ptr, v + i, scale, NORM, BIAS).to(dtype))
-            tl.store(out + sc_kv + HALF + i,
-                     _scaled(qkv_ptr + row * s_qkv, b_ptr, v + HALF + i, scale, NORM, BIAS).to(dtype))
+            out = cache_ptr + slot * sc_slot + kvh * sc_h
+            tl.store(out + sc_kv + i, v1.to(dtype))
+            tl.store(out + sc_kv + HALF + i, v2.to(dtype))
         tl.store(out + i, r1)
         tl.store(out + HALF + i, r2)
-
-    @triton.jit
-    def _scaled(row_ptr, b_ptr, cols, scale, NORM: tl.constexpr, BIAS: tl.constexpr):
-        """Columns of one row of the projection in float32, times the norm's scale, plus the bias."""
-        y = tl.load(row_ptr + cols).to(tl.float32)
-        if NORM:
-            y = y * scale
-        if BIAS:
-            y += tl.load(b_ptr + cols).to(tl.float32)
-        return y
 
     @triton.jit
     def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, scale,
