@@ -1,11 +1,11 @@
-"""mvllm::linear_add (model/gpu_ops.py) against what it replaces, on the GPU, in the same run.
+"""mvllm::linear (model/gpu_ops.py) against what it replaces, on the GPU, in the same run.
 
-For the O and down projections of a model's decode step and a few row counts: the microseconds of one call
+For the QKV, O and down projections of a model's decode step and a few row counts: the microseconds of one call
 inside a CUDA graph that runs it over one weight copy per layer (so the weights come from memory, not the L2
 cache, as in a real step), for
-- `ops`: cuBLAS and the residual add (two kernels),
+- `ops`: cuBLAS and the residual add (two kernels; QKV: cuBLAS alone),
 - `cublas`: F.linear alone,
-- `kernel`: linear_add's Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
+- `kernel`: linear's Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
   each checked against the reference after its graph replays (the split-K sum under real concurrency).
     python3 experiments/small_linear_speed.py --out results/small-linear.json
 (The earlier version of this experiment, a kernel that also fused the norms and the SiLU into QKV and gate/up
@@ -30,9 +30,11 @@ CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, split=split)
 
 
 def shapes(model: str) -> tuple[dict, int]:
+    """name -> (n, k, with a residual) for the projections mvllm::linear serves."""
     cfg = PRESETS[model]
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    return dict(o=(h, h), down=(h, i)), cfg["num_hidden_layers"]
+    h, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    qkv = (heads + 2 * cfg["num_key_value_heads"]) * (h // heads)
+    return dict(qkv=(qkv, h, False), o=(h, h, True), down=(h, i, True)), cfg["num_hidden_layers"]
 
 
 def timed(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
@@ -74,16 +76,16 @@ def main() -> None:
     for model in args.models.split(","):
         model = model.removeprefix("synthetic:")
         table, layers = shapes(model)
-        for name, (n, k) in table.items():
+        for name, (n, k, add) in table.items():
             w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(layers)]
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k, device=dev, dtype=dt)
-                r = torch.randn(rows, n, device=dev, dtype=dt)
-                want = gpu_ops.reference_linear_add(x, w[0], None, r)
-                kernel = partial(gpu_ops._triton_linear_add, x, bias=None, residual=r)
+                r = torch.randn(rows, n, device=dev, dtype=dt) if add else None
+                want = gpu_ops.reference_linear(x, w[0], None, r)
+                kernel = partial(gpu_ops._triton_linear, x, bias=None, residual=r)
                 err = error(kernel(w[0]), want)
                 assert err < 2e-2, (model, name, rows, err)
-                row = dict(ops=timed(partial(gpu_ops.reference_linear_add, x, bias=None, residual=r), w), cublas=timed(partial(F.linear, x), w),
+                row = dict(ops=timed(partial(gpu_ops.reference_linear, x, bias=None, residual=r), w), cublas=timed(partial(F.linear, x), w),
                            kernel=timed(kernel, w), mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
                 out["rows"][f"{model}/{name}/{rows}"] = row

@@ -65,9 +65,9 @@ def test_silu_mul_kernel_matches_reference():
 
 
 @needs_triton
-def test_linear_add_kernel_matches_reference():
+def test_linear_kernel_matches_reference():
     """One program per column block (K up to 1,024), and K split with the last program adding up the shares
-    (run twice: the counters it leaves must be ready for the next call)."""
+    (run twice: the counters it leaves must be ready for the next call); with a residual and without."""
     dev = device()
     g = torch.Generator().manual_seed(1)
     for dtype, tol in dtypes():
@@ -77,10 +77,12 @@ def test_linear_add_kernel_matches_reference():
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dtype)
             b = torch.randn(n, generator=g).to(dev, dtype) if bias else None
             res = torch.randn(rows, n, generator=g).to(dev, dtype)
-            want = gpu_ops.reference_linear_add(x, w, b, res).float()
+            want = gpu_ops.reference_linear(x, w, b, res).float()
             for _ in range(2):
-                got = gpu_ops._triton_linear_add(x, w, b, res).float()
+                got = gpu_ops._triton_linear(x, w, b, res).float()
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            alone = gpu_ops._triton_linear(x, w, b).float()  # no residual: the QKV projection
+            torch.testing.assert_close(alone, gpu_ops.reference_linear(x, w, b).float(), atol=tol, rtol=tol)
     assert gpu_ops.config(4, 896, 4864)["split"] == 8 and gpu_ops.config(4, 896, 896)["split"] == 1
 
 

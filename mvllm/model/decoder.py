@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mvllm.errors import UnsupportedModelError
-from mvllm.model import gpu_ops  # noqa: F401 - registers mvllm::silu_mul and mvllm::linear_add
+from mvllm.model import gpu_ops  # noqa: F401 - registers mvllm::silu_mul and mvllm::linear
 from mvllm.model.attention import AttnMeta, paged_attention
 from mvllm.model.config import ModelConfig
 
@@ -120,20 +120,21 @@ class DecoderLayer(nn.Module):
     def _table(self, x, rope, cache, meta):
         """The GPU's compiled layer: rotary with the cache write (and the QKV bias) in one kernel, attention
         through the block table in one. Folded (model/gpu_ops.py): no norm kernels, the kernels after qkv_proj
-        and gate_up_proj scale each row by its RMSNorm rstd, and the residual adds happen inside o_proj and
-        down_proj. Unfolded (any Linear, CPU-packed too): the norms and the rest as modules."""
+        and gate_up_proj scale each row by its RMSNorm rstd, the residual adds happen inside o_proj and
+        down_proj, and these three take mvllm's small-row GEMM. Unfolded (any Linear, CPU-packed too): the norms and the rest as modules."""
         attn, ops = self.self_attn, torch.ops.mvllm
         if not self.folded:
             q = ops.rope_store(attn.qkv_proj(self.input_layernorm(x)), *rope, cache, meta.packed, attn.heads,
                                attn.kv_heads)
             x = x + attn.o_proj(ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale))
             return x + self.mlp(self.post_attention_layernorm(x))
-        q = ops.rope_store(F.linear(x, attn.qkv_proj.weight), *rope, cache, meta.packed, attn.heads, attn.kv_heads,
-                           attn.qkv_proj.bias, x, self.input_layernorm.eps)
+        qkv = ops.linear(x, attn.qkv_proj.weight)
+        q = ops.rope_store(qkv, *rope, cache, meta.packed, attn.heads, attn.kv_heads, attn.qkv_proj.bias, x,
+                           self.input_layernorm.eps)
         out = ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale)
-        x = ops.linear_add(out, attn.o_proj.weight, attn.o_proj.bias, x)
+        x = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias, x)
         h = ops.silu_mul(F.linear(x, self.mlp.gate_up_proj.weight), x, self.post_attention_layernorm.eps)
-        return ops.linear_add(h, self.mlp.down_proj.weight, None, x)
+        return ops.linear(h, self.mlp.down_proj.weight, None, x)
 
 
 class Decoder(nn.Module):

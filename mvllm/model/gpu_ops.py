@@ -1,16 +1,17 @@
 """The compiled GPU step's layer with fewer kernels: the RMSNorms folded into the projections they feed, and
 the residual adds into the projections that end each half of the layer.
 
-A decode step is bound by its ~11 kernels per layer, not by its bytes. Two changes take three of them away:
+A decode step is bound by its kernels per layer, not by its bytes. Two changes take three of them away:
 - **Norms folded** (`fold_norms`): norm(x) W^T = rstd(x) * (x (W * g)^T), so the RMSNorm's weight g is
   multiplied into the QKV and gate/up weights once at start-up (and set to one, so every other path of the
-  same model computes the same function). cuBLAS then reads the residual stream x itself, and the kernel
-  after it scales each row by rstd(x), summing the row's squares itself: `mvllm::rope_store` (with the QKV
-  bias, now added after the scale) and `mvllm::silu_mul` here. The two norm kernels of a layer go.
-- **Residual adds in the projection** (`mvllm::linear_add`): for steps of a few rows, one Triton kernel
-  computes residual + x W^T, splitting K over several programs where the weight is large and letting the
-  last program of each column block add up the partial sums (no second kernel, as cuBLAS's split-K needs).
-  Larger steps (prefill) run cuBLAS and an add.
+  same model computes the same function). The projection then reads the residual stream x itself, and the
+  kernel after it scales each row by rstd(x), summing the row's squares itself: `mvllm::rope_store` (with
+  the QKV bias, now added after the scale) and `mvllm::silu_mul` here. The two norm kernels of a layer go.
+- **Residual adds in the projection** (`mvllm::linear`): for steps of a few rows, one Triton kernel computes
+  x W^T (+ residual), splitting K over several programs where the weight is large and letting the last
+  program of each column block add up the partial sums (no second kernel, as cuBLAS's split-K needs). It
+  serves o_proj and down_proj with their residual, and qkv_proj; gate_up_proj stays with cuBLAS. Larger
+  steps (prefill) run cuBLAS and an add.
 Rounding: the products are rounded to the model's dtype as the eager layer's are, then scaled, the SiLU and
 the add done in float32 and rounded once. The PyTorch references run where Triton does not (CPU tests)."""
 
@@ -26,7 +27,7 @@ from mvllm.model.table_attention import triton
 if triton is not None:
     import triton.language as tl
 
-SMALL_ROWS = 32  # linear_add: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
+SMALL_ROWS = 32  # linear: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
 
 
 def fold_norms(model) -> None:
@@ -64,22 +65,23 @@ def reference_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-@torch.library.custom_op("mvllm::linear_add", mutates_args=())
-def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               residual: torch.Tensor) -> torch.Tensor:
-    """residual + x W^T (+ bias), the product rounded to the dtype before the add as the eager layer does."""
+@torch.library.custom_op("mvllm::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T (+ bias) (+ residual), the product rounded to the dtype before the add as the eager layer does."""
     if x.is_cuda and triton is not None and x.shape[0] <= SMALL_ROWS:
-        return _triton_linear_add(x, weight, bias, residual)
-    return reference_linear_add(x, weight, bias, residual)
+        return _triton_linear(x, weight, bias, residual)
+    return reference_linear(x, weight, bias, residual)
 
 
-@linear_add.register_fake
-def _(x, weight, bias, residual):
-    return residual.new_empty(residual.shape)
+@linear.register_fake
+def _(x, weight, bias=None, residual=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def reference_linear_add(x, weight, bias, residual) -> torch.Tensor:
-    return residual + F.linear(x, weight, bias)
+def reference_linear(x, weight, bias=None, residual=None) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
 def _triton_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
@@ -105,10 +107,10 @@ def config(rows: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
 
 
-def _triton_linear_add(x, weight, bias, residual, **tune) -> torch.Tensor:
+def _triton_linear(x, weight, bias=None, residual=None, **tune) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0]
-    out = residual.new_empty(rows, n)
+    out = x.new_empty(rows, n)
     cfg = config(rows, n, k) | tune
     split = cfg.pop("split")
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
@@ -120,9 +122,10 @@ def _triton_linear_add(x, weight, bias, residual, **tune) -> torch.Tensor:
         counter = _counters.get(x.device)
         if counter is None or counter.numel() < blocks:  # zeros; each program that adds up sets its own back
             counter = _counters[x.device] = torch.zeros(max(4096, blocks), dtype=torch.int32, device=x.device)
-    _linear_add_kernel[(blocks, split)](
-        x, weight, x if bias is None else bias, residual, out, ws, counter, rows, n, k, k_split, x.stride(0),
-        weight.stride(0), residual.stride(0), out.stride(0), BIAS=bias is not None, SPLIT=split,
+    _linear_kernel[(blocks, split)](
+        x, weight, x if bias is None else bias, x if residual is None else residual, out, ws, counter, rows, n, k,
+        k_split, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        BIAS=bias is not None, RES=residual is not None, SPLIT=split,
         IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
     return out
 
@@ -150,9 +153,9 @@ if triton is not None:
         tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _linear_add_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_SPLIT, s_x, s_w,
-                           s_r, s_out, BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_SPLIT, s_x, s_w, s_r,
+                       s_out, BIAS: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program (column block, split): BLOCK_N output columns of every row over the split's share of K.
         Rows are padded to BLOCK_M (at least 16) for the tensor cores."""
         block = tl.program_id(0)
@@ -182,17 +185,20 @@ if triton is not None:
                     part = (s * BLOCK_M + rows)[:, None] * N + cols[None, :]
                     acc += tl.load(ws_ptr + part, mask=col_ok[None, :], other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + block, 0)  # ready for the next call (and the next graph replay)
-                _add_out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS)
+                _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
         else:
-            _add_out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS)
+            _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
 
     @triton.jit
-    def _add_out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr):
+    def _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr,
+             RES: tl.constexpr):
         """The bias, the product rounded to the output's dtype, then the residual added and rounded once."""
         dtype = out_ptr.dtype.element_ty
         if BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        res = tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], (acc.to(dtype).to(tl.float32) + res).to(dtype),
-                 mask=ok)
+        y = acc.to(dtype)
+        if RES:
+            y = (y.to(tl.float32) + tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=ok,
+                                            other=0.0).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], y, mask=ok)
