@@ -61,6 +61,22 @@ def test_graph_layouts_match_standard_path(tiny, compiled, monkeypatch):
     assert r.graphs.steps >= 12
 
 
+def test_pack_builds_every_row_as_the_graph_reads_it():
+    """Decode rows (built as lists) and longer spans (numpy slices) in one step, then padding rows."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(5)
+    spans = [(40, 41), (0, 7), (16, 17), (30, 52), (5, 6)]
+    seqs = [SimpleNamespace(token_ids=torch.randint(0, 1000, (b,), generator=g).tolist(),
+                            block_table=torch.randperm(90, generator=g)[:-(-b // 16)].tolist()) for _, b in spans]
+    runner, width, t_pad = SimpleNamespace(block_size=16, scratch=1440), 5, 64
+    got = GraphRunner.pack(runner, seqs, spans, t_pad, width)
+    want = [[s.token_ids[p], p, s.block_table[p // 16] * 16 + p % 16, p + 1]
+            + s.block_table + [0] * (width - len(s.block_table)) for s, (a, b) in zip(seqs, spans) for p in range(a, b)]
+    want += [[0, 0, 1440, 1] + [0] * width] * (t_pad - len(want))
+    assert got.tolist() == want
+
+
 def table_case(device: str, dtype: torch.dtype, block_size: int = 16):
     """Three sequences through shuffled blocks: one decode token, four new tokens after 37 cached, and
     a lone first token; heads grouped 7 per KV head as Qwen2.5-0.5B's."""

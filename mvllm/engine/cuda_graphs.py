@@ -133,20 +133,31 @@ class GraphRunner:
         return (tb, cb) if tb is not None else (max(t, 2), cb)  # compiled: beyond the buckets, ungraphed
 
     def pack(self, seqs: list[Sequence], spans: list[tuple[int, int]], t_pad: int, width: int) -> np.ndarray:
+        """The step's input [t_pad, 4 + width]: a decode row (one new token) is built as a Python list, as numpy
+        costs microseconds per call and a batch of them would pay it several times a row; a longer span is
+        filled with numpy slices. Rows past the step's tokens are padding (scratch slot, one key)."""
         bs = self.block_size
         buf = np.zeros((t_pad, 4 + width), dtype=np.int64)
         buf[:, 2], buf[:, 3] = self.scratch, 1
-        row = 0
+        row, singles, at = 0, [], []
         for seq, (a, b) in zip(seqs, spans):
             n = b - a
-            pos = np.arange(a, b)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            buf[row:row + n, 0] = seq.token_ids[a:b]
-            buf[row:row + n, 1] = pos
-            buf[row:row + n, 2] = table[pos // bs] * bs + pos % bs
-            buf[row:row + n, 3] = pos + 1
-            buf[row:row + n, 4:4 + len(table)] = table[:width]
+            if n == 1:
+                table = seq.block_table
+                singles.append([seq.token_ids[a], a, table[a // bs] * bs + a % bs, a + 1, *table[:width],
+                                *[0] * (width - len(table))])
+                at.append(row)
+            else:
+                pos = np.arange(a, b)
+                table = np.asarray(seq.block_table, dtype=np.int64)
+                buf[row:row + n, 0] = seq.token_ids[a:b]
+                buf[row:row + n, 1] = pos
+                buf[row:row + n, 2] = table[pos // bs] * bs + pos % bs
+                buf[row:row + n, 3] = pos + 1
+                buf[row:row + n, 4:4 + len(table)] = table[:width]
             row += n
+        if singles:
+            buf[at] = singles
         return buf
 
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],
