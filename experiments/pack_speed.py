@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mvllm.engine.cuda_graphs import GraphRunner
+from mvllm.engine.cuda_graphs import GraphRunner, fill_span
 
 BLOCK, SCRATCH = 16, 99_999
 
@@ -23,14 +23,8 @@ def numpy_slices(seqs, spans, t_pad: int, width: int) -> np.ndarray:
     buf[:, 2], buf[:, 3] = SCRATCH, 1
     row = 0
     for seq, (a, b) in zip(seqs, spans):
-        n, pos = b - a, np.arange(a, b)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        buf[row:row + n, 0] = seq.token_ids[a:b]
-        buf[row:row + n, 1] = pos
-        buf[row:row + n, 2] = table[pos // BLOCK] * BLOCK + pos % BLOCK
-        buf[row:row + n, 3] = pos + 1
-        buf[row:row + n, 4:4 + len(table)] = table[:width]
-        row += n
+        fill_span(buf, row, seq, a, b, width, BLOCK)
+        row += b - a
     return buf
 
 

@@ -46,6 +46,17 @@ def use_compile_cache() -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
 
 
+def fill_span(buf: np.ndarray, row: int, seq: Sequence, a: int, b: int, width: int, block_size: int) -> None:
+    """Rows row.. of the step's input for tokens a..b of seq, with numpy slices."""
+    n, pos = b - a, np.arange(a, b)
+    table = np.asarray(seq.block_table, dtype=np.int64)
+    buf[row:row + n, 0] = seq.token_ids[a:b]
+    buf[row:row + n, 1] = pos
+    buf[row:row + n, 2] = table[pos // block_size] * block_size + pos % block_size
+    buf[row:row + n, 3] = pos + 1
+    buf[row:row + n, 4:4 + len(table)] = table[:width]
+
+
 class GraphRunner:
     def __init__(self, model: Decoder, caches: list[torch.Tensor], block_size: int, max_active: int,
                  max_model_len: int, scratch_slot: int, capture: bool = True, compiled: bool = False):
@@ -148,13 +159,7 @@ class GraphRunner:
                                 *[0] * (width - len(table))])
                 at.append(row)
             else:
-                pos = np.arange(a, b)
-                table = np.asarray(seq.block_table, dtype=np.int64)
-                buf[row:row + n, 0] = seq.token_ids[a:b]
-                buf[row:row + n, 1] = pos
-                buf[row:row + n, 2] = table[pos // bs] * bs + pos % bs
-                buf[row:row + n, 3] = pos + 1
-                buf[row:row + n, 4:4 + len(table)] = table[:width]
+                fill_span(buf, row, seq, a, b, width, bs)
             row += n
         if singles:
             buf[at] = singles

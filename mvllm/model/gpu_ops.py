@@ -27,6 +27,8 @@ from mvllm.model.table_attention import triton
 if triton is not None:
     import triton.language as tl
 
+    from mvllm.model.table_attention import rstd_row
+
 SMALL_ROWS = 32  # linear: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
 
 
@@ -141,12 +143,7 @@ if triton is not None:
         gate = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32)
         if NORM:
-            squares = tl.zeros([BLOCK_H], tl.float32)
-            for start in range(0, HIDDEN, BLOCK_H):
-                h = start + tl.arange(0, BLOCK_H)
-                v = tl.load(x_ptr + row * s_x + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
-                squares += v * v
-            scale = 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
+            scale = rstd_row(x_ptr + row * s_x, HIDDEN, eps, BLOCK_H)
             gate = gate * scale
             up = up * scale
         y = gate / (1.0 + tl.exp(-gate)) * up

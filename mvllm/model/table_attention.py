@@ -150,6 +150,16 @@ def _splits(programs: int, device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit
+    def rstd_row(x_ptr, HIDDEN, eps, BLOCK_H: tl.constexpr):
+        """RMSNorm's 1 / rms of one row of x (HIDDEN values), its squares summed in float32."""
+        squares = tl.zeros([BLOCK_H], tl.float32)
+        for start in range(0, HIDDEN, BLOCK_H):
+            h = start + tl.arange(0, BLOCK_H)
+            v = tl.load(x_ptr + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+            squares += v * v
+        return 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
+
+    @triton.jit
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, b_ptr, x_ptr, eps, HIDDEN,
                            s_qkv, s_cos, s_sin, s_row, s_col, sc_kv, sc_slot, sc_h, sq_t, sq_h, s_x,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BIAS: tl.constexpr,
@@ -176,12 +186,7 @@ if triton is not None:
         c = tl.load(cos_ptr + pos * s_cos + i).to(dtype).to(tl.float32)  # the table repeats its first half
         s = tl.load(sin_ptr + pos * s_sin + i).to(dtype).to(tl.float32)
         if NORM:
-            squares = tl.zeros([BLOCK_H], tl.float32)
-            for start in range(0, HIDDEN, BLOCK_H):
-                h = start + tl.arange(0, BLOCK_H)
-                xs = tl.load(x_ptr + row * s_x + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
-                squares += xs * xs
-            scale = 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
+            scale = rstd_row(x_ptr + row * s_x, HIDDEN, eps, BLOCK_H)
             x1, x2, v1, v2 = x1 * scale, x2 * scale, v1 * scale, v2 * scale
         if BIAS:
             x1 += tl.load(b_ptr + at).to(tl.float32)
