@@ -121,7 +121,8 @@ class DecoderLayer(nn.Module):
         """The GPU's compiled layer: rotary with the cache write (and the QKV bias) in one kernel, attention
         through the block table in one. Folded (model/gpu_ops.py): no norm kernels, the kernels after qkv_proj
         and gate_up_proj scale each row by its RMSNorm rstd, the residual adds happen inside o_proj and
-        down_proj, and these three take mvllm's small-row GEMM. Unfolded (any Linear, CPU-packed too): the norms and the rest as modules."""
+        down_proj, and these three take mvllm's small-row GEMM. Unfolded (any Linear, CPU-packed too): the
+        norms and the rest as modules."""
         attn, ops = self.self_attn, torch.ops.mvllm
         if not self.folded:
             q = ops.rope_store(attn.qkv_proj(self.input_layernorm(x)), *rope, cache, meta.packed, attn.heads,

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mvllm.model.table_attention import triton
+from mvllm.model.table_attention import rstd, triton
 
 if triton is not None:
     import triton.language as tl
@@ -41,11 +41,6 @@ def fold_norms(model) -> None:
                 proj.weight.copy_((proj.weight.float() * norm.weight.float()).to(proj.weight.dtype))
                 norm.weight.fill_(1.0)
             layer.folded = True
-
-
-def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm's per-row scale [T, 1] in float32."""
-    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 @torch.library.custom_op("mvllm::silu_mul", mutates_args=())
@@ -102,7 +97,7 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def config(rows: int, n: int, k: int) -> dict:
-    """Block sizes and the split of K for residual + [rows, k] x [k, n]: a column block of 32 per program,
+    """Block sizes and the split of K for [rows, k] x [k, n]: a column block of 32 per program,
     and K split in shares of at least 192 where it is over 1,024 (at most 8), so a large weight is streamed
     by a few hundred programs. Measured on the H200 at 4 rows (experiments/small_linear_speed.py)."""
     split = 1 if k <= 1024 else min(8, 1 << ((k // 192).bit_length() - 1))

@@ -60,10 +60,15 @@ def reference_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int
                          eps: float = 0.0) -> torch.Tensor:
     """The same in PyTorch (the CPU kernels' reference), cos and sin rounded as the decoder's eager rotary."""
     if x is not None or bias is not None:
-        y = qkv.float() if x is None else qkv.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        y = qkv.float() if x is None else qkv.float() * rstd(x, eps)
         qkv = (y if bias is None else y + bias.float()).to(qkv.dtype)
     cos, sin = (t[packed[:, 1]].to(qkv.dtype) for t in (cos, sin))
     return cpu_fused.reference_rope_store(qkv, cos, sin, cache, packed[:, 2], heads, kv_heads)
+
+
+def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's per-row scale [T, 1] in float32."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 @torch.library.custom_op("mvllm::table_attention", mutates_args=())
