@@ -86,7 +86,8 @@ def main() -> None:
                 err = error(kernel(w[0]), want)
                 assert err < 2e-2, (model, name, rows, err)
                 row = dict(ops=timed(partial(gpu_ops.reference_linear, x, bias=None, residual=r), w),
-                           cublas=timed(partial(F.linear, x), w), kernel=timed(kernel, w), mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
+                           cublas=timed(partial(F.linear, x), w), kernel=timed(kernel, w),
+                           mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
                 out["rows"][f"{model}/{name}/{rows}"] = row
                 print(f"{model:14s} {name:5s} rows {rows:3d}: ops {row['ops']:6.2f} µs  cublas {row['cublas']:6.2f}"

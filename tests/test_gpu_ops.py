@@ -58,10 +58,9 @@ def test_silu_mul_kernel_matches_reference():
         for rows, inter, hidden in ((1, 4864, 896), (5, 1536, 576), (3, 100, 40)):
             gate_up = torch.randn(rows, 2 * inter, generator=g).to(dev, dtype)
             x = (3 * torch.randn(rows, hidden, generator=g)).to(dev, dtype)
-            for norm in (None, x):
-                want = gpu_ops.reference_silu_mul(gate_up, norm, 1e-6).float()
-                got = gpu_ops._triton_silu_mul(gate_up, norm, 1e-6).float()
-                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            want = gpu_ops.reference_silu_mul(gate_up, x, 1e-6).float()
+            got = gpu_ops._triton_silu_mul(gate_up, x, 1e-6).float()
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @needs_triton

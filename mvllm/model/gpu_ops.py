@@ -33,7 +33,8 @@ SMALL_ROWS = 32  # linear: steps of up to this many rows take the Triton kernel,
 
 
 def fold_norms(model) -> None:
-    """Multiply each layer's RMSNorm weights into the projection after it, and set them to one."""
+    """Multiply each layer's RMSNorm weights into the projection after it, and set them to one (so a second
+    call changes nothing)."""
     with torch.no_grad():
         for layer in model.layers:
             for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
@@ -44,8 +45,8 @@ def fold_norms(model) -> None:
 
 
 @torch.library.custom_op("mvllm::silu_mul", mutates_args=())
-def silu_mul(gate_up: torch.Tensor, x: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """gate_up [T, 2I] (gate | up) -> SiLU(gate * r) * (up * r) [T, I], r = rstd(x) per row (1 without x)."""
+def silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> SiLU(gate * r) * (up * r) [T, I], r = rstd(x) per row."""
     if gate_up.is_cuda and triton is not None:
         return _triton_silu_mul(gate_up, x, eps)
     return reference_silu_mul(gate_up, x, eps)
@@ -57,8 +58,7 @@ def _(gate_up, x, eps):
 
 
 def reference_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
-    y = gate_up.float() if x is None else gate_up.float() * rstd(x, eps)
-    gate, up = y.chunk(2, dim=-1)
+    gate, up = (gate_up.float() * rstd(x, eps)).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
@@ -85,11 +85,9 @@ def _triton_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, inter)
     block = 1024
-    hidden = 1 if x is None else x.shape[1]
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate_up, gate_up if x is None else x, out, gate_up.stride(0), 0 if x is None else x.stride(0),
-        out.stride(0), inter, hidden, eps, NORM=x is not None, BLOCK=block,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)))
+        gate_up, x, out, gate_up.stride(0), x.stride(0), out.stride(0), inter, x.shape[1], eps, BLOCK=block,
+        BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])))
     return out
 
 
@@ -129,18 +127,17 @@ def _triton_linear(x, weight, bias=None, residual=None, **tune) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, INTER, HIDDEN, eps, NORM: tl.constexpr,
-                         BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Program (row, column block): the row's rstd from x (NORM), then SiLU(gate) * up in float32."""
+    def _silu_mul_kernel(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, INTER, HIDDEN, eps, BLOCK: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+        """Program (row, column block): the row's rstd from x, then SiLU(gate) * up in float32."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < INTER
         gate = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32)
-        if NORM:
-            scale = rstd_row(x_ptr + row * s_x, HIDDEN, eps, BLOCK_H)
-            gate = gate * scale
-            up = up * scale
+        scale = rstd_row(x_ptr + row * s_x, HIDDEN, eps, BLOCK_H)
+        gate = gate * scale
+        up = up * scale
         y = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
