@@ -32,10 +32,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--out")
     ap.add_argument("--compile", default="on")
+    ap.add_argument("--overlap", default="off", help="off (the default here): a step is timed whole")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
-    llm = LLM(a.model, device="cuda", dtype="bfloat16", max_active=16, num_blocks=1000, compile=a.compile == "on")
+    llm = LLM(a.model, device="cuda", dtype="bfloat16", max_active=16, num_blocks=1000, compile=a.compile == "on",
+              overlap=a.overlap == "on")
     ready = time.perf_counter() - t0
     print(f"{a.model} ready {ready:.1f} s", flush=True)
     eng, r = llm.engine, llm.engine.runner

@@ -1,11 +1,11 @@
-"""mvllm::linear (model/gpu_ops.py) against what it replaces, on the GPU, in the same run.
+"""mvllm::linear and mvllm::swiglu (model/gpu_ops.py) against what they replace, on the GPU, in the same run.
 
-For the QKV, O and down projections of a model's decode step and a few row counts: the microseconds of one call
+For the QKV, O, down and gate/up projections of a model's decode step and a few row counts: the microseconds of one call
 inside a CUDA graph that runs it over one weight copy per layer (so the weights come from memory, not the L2
 cache, as in a real step), for
-- `ops`: cuBLAS and the residual add (two kernels; QKV: cuBLAS alone),
+- `ops`: cuBLAS and the residual add (two kernels; QKV: cuBLAS alone; gate/up: cuBLAS and the SiLU kernel),
 - `cublas`: F.linear alone,
-- `kernel`: linear's Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
+- `kernel`: the Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
   each checked against the reference after its graph replays (the split-K sum under real concurrency).
     python3 experiments/small_linear_speed.py --out results/small-linear.json
 (The earlier version of this experiment, a kernel that also fused the norms and the SiLU into QKV and gate/up
@@ -34,7 +34,20 @@ def shapes(model: str) -> tuple[dict, int]:
     cfg = PRESETS[model]
     h, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     qkv = (heads + 2 * cfg["num_key_value_heads"]) * (h // heads)
-    return dict(qkv=(qkv, h, False), o=(h, h, True), down=(h, i, True)), cfg["num_hidden_layers"]
+    return (dict(qkv=(qkv, h, False), o=(h, h, True), down=(h, i, True), gate_up=(2 * i, h, False)),
+            cfg["num_hidden_layers"])
+
+
+def calls(name: str, x: torch.Tensor, r: torch.Tensor | None):
+    """(what the kernel replaces, the kernel, its reference, its default config) as functions of the weight."""
+    if name == "gate_up":
+        eps = 1e-6
+        return (lambda w: gpu_ops._triton_silu_mul(F.linear(x, w), x, eps),
+                partial(gpu_ops._triton_swiglu, x, eps=eps), partial(gpu_ops.reference_swiglu, x, eps=eps),
+                lambda n, k: gpu_ops.swiglu_config(x.shape[0], n // 2, k))
+    return (partial(gpu_ops.reference_linear, x, bias=None, residual=r),
+            partial(gpu_ops._triton_linear, x, bias=None, residual=r),
+            partial(gpu_ops.reference_linear, x, bias=None, residual=r), partial(gpu_ops.config, x.shape[0]))
 
 
 def timed(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
@@ -68,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="synthetic:qwen2.5-0.5b,synthetic:smollm2-135m")
     ap.add_argument("--rows", default="1,4,16,32,64")
+    ap.add_argument("--names", default="qkv,o,down,gate_up", help="which projections")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -77,15 +91,17 @@ def main() -> None:
         model = model.removeprefix("synthetic:")
         table, layers = shapes(model)
         for name, (n, k, add) in table.items():
+            if name not in args.names.split(","):
+                continue
             w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(layers)]
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k, device=dev, dtype=dt)
                 r = torch.randn(rows, n, device=dev, dtype=dt) if add else None
-                want = gpu_ops.reference_linear(x, w[0], None, r)
-                kernel = partial(gpu_ops._triton_linear, x, bias=None, residual=r)
+                ops, kernel, reference, default_cfg = calls(name, x, r)
+                want = reference(w[0])
                 err = error(kernel(w[0]), want)
                 assert err < 2e-2, (model, name, rows, err)
-                row = dict(ops=timed(partial(gpu_ops.reference_linear, x, bias=None, residual=r), w),
+                row = dict(ops=timed(ops, w),
                            cublas=timed(partial(F.linear, x), w), kernel=timed(kernel, w),
                            mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
@@ -103,7 +119,7 @@ def main() -> None:
                     assert err < 2e-2, (model, name, key, err)
                 best = min(times, key=times.get)
                 out["candidates"][f"{model}/{name}"] = times
-                default = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**gpu_ops.config(4, n, k))
+                default = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**default_cfg(n, k))
                 print(f"    best of {len(times)}: {best} {times[best]} µs (default {default}: "
                       f"{times.get(default)})", flush=True)
     if args.out:

@@ -7,8 +7,8 @@
 Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode
 fastest here, see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
 compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs), fused (on|off: the CPU's
-fused float32 kernels), overlap (on|off, default off: schedule the next step while the device runs this one;
-not yet timed on a GPU).
+fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
+step while the device runs this one).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -46,7 +46,7 @@ class BackendSpec:
     graphs: bool = True
     compile: bool = True
     fused: bool = True
-    overlap: bool = False
+    overlap: bool | None = None  # None: on for a CUDA backend (EngineConfig.validate)
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0

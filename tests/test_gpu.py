@@ -239,10 +239,11 @@ def test_fast_paths_match_eager(model, dtype, path):
 
 @cuda
 def test_overlap_on_the_gpu_matches_the_plain_loop():
-    """overlap=on through the compiled CUDA graphs: the ids fed to the next graph on the device, copied to the
+    """overlap (CUDA's default) through the compiled CUDA graphs: the ids fed to the next graph on the device, copied to the
     host behind a CUDA event. The same batches run in both (stops by length only), so the same tokens."""
     kw = dict(device="cuda", dtype="float32", max_active=16, num_blocks=170)
-    plain, over = LLM("synthetic:qwen2.5-0.5b", **kw), LLM("synthetic:qwen2.5-0.5b", **kw, overlap=True)
+    plain, over = LLM("synthetic:qwen2.5-0.5b", **kw, overlap=False), LLM("synthetic:qwen2.5-0.5b", **kw)
+    assert over.engine.config.overlap and not plain.engine.config.overlap  # on by default on CUDA
     vocab = plain.engine.source.config.vocab_size - 1
     assert workload(over, vocab, 496, 24) + churn(over, vocab) == workload(plain, vocab, 496, 24) + churn(plain, vocab)
     assert over.engine.runner.graphs.replays > 0 and over.engine.scheduler.num_preemptions > 0

@@ -141,3 +141,20 @@ def test_a_server_with_overlap_answers_as_without_and_returns_every_block(tmp_pa
         finally:
             server.stop()
     assert answers[0] == answers[1] and all(len(a) == 9 for a in answers[1])
+
+
+def test_overlap_is_on_by_default_on_cuda_only():
+    """Left out, overlap follows the device: on for CUDA (checked on the GPU by test_gpu.py), off here; a spec's
+    overlap=off or on is kept."""
+    from mvllm.backends import parse_backends
+    from mvllm.engine.engine import EngineConfig
+
+    cfg = EngineConfig(model="x", device="cpu")
+    cfg.validate()
+    assert cfg.overlap is False
+    specs = parse_backends("a=cpu,b=cpu/overlap=on,c=cpu/overlap=off", check_devices=False)
+    assert [s.overlap for s in specs] == [None, True, False]
+    for spec, want in zip(specs, (False, True, False)):
+        cfg = spec.engine_config("x")
+        cfg.validate()
+        assert cfg.overlap is want

@@ -37,7 +37,7 @@ class EngineConfig:
     quant: str | None = None  # None: on the CPU, the mode cpu_mode picks for this machine; elsewhere none
     graphs: bool = True
     compile: bool = True  # CUDA: torch.compile + Triton attention where Triton exists (off: eager ops)
-    overlap: bool = False  # schedule step N+1 while step N runs (its tokens read one step later)
+    overlap: bool | None = None  # schedule step N+1 while step N runs (its tokens read one step later); None: on CUDA
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
     picked: str = ""  # how the CPU mode was chosen
 
@@ -70,6 +70,8 @@ class EngineConfig:
                                       f"{torch.cuda.device_count()} CUDA GPU(s)", "device")
         if device_type == "mps" and not torch.backends.mps.is_available():
             raise InvalidRequestError("device mps was asked for but this machine has no MPS GPU", "device")
+        if self.overlap is None:  # on where the device runs apart from the host (as vLLM's async scheduling)
+            self.overlap = device_type == "cuda"
         if device_type == "cpu":
             self.dtype, self.quant, self.picked = cpu_mode(self.dtype, self.quant)
         elif self.quant in (None, "none"):
