@@ -27,6 +27,7 @@ from mvllm.model.presets import PRESETS
 
 CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, split=split)
               for bn, bk, split in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8))]
+SWIGLU_CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk) for bn, bk in itertools.product((16, 32, 64), (32, 64, 128))]
 
 
 def shapes(model: str) -> tuple[dict, int]:
@@ -44,7 +45,7 @@ def calls(name: str, x: torch.Tensor, r: torch.Tensor | None):
         eps = 1e-6
         return (lambda w: gpu_ops._triton_silu_mul(F.linear(x, w), x, eps),
                 partial(gpu_ops._triton_swiglu, x, eps=eps), partial(gpu_ops.reference_swiglu, x, eps=eps),
-                lambda n, k: gpu_ops.swiglu_config(x.shape[0], n // 2, k))
+                lambda n, k: gpu_ops.swiglu_config(x.shape[0]) | dict(split=1))
     return (partial(gpu_ops.reference_linear, x, bias=None, residual=r),
             partial(gpu_ops._triton_linear, x, bias=None, residual=r),
             partial(gpu_ops.reference_linear, x, bias=None, residual=r), partial(gpu_ops.config, x.shape[0]))
@@ -112,8 +113,8 @@ def main() -> None:
                 if rows != 4:
                     continue
                 times = {}
-                for cand in CANDIDATES:
-                    key = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**cand)
+                for cand in CANDIDATES if name != "gate_up" else SWIGLU_CANDIDATES:
+                    key = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**(dict(split=1) | cand))
                     times[key] = timed(partial(kernel, **cand), w)
                     err = error(kernel(w[0], **cand), want)
                     assert err < 2e-2, (model, name, key, err)

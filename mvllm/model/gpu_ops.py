@@ -12,7 +12,8 @@ A decode step is bound by its kernels per layer, not by its bytes. Three changes
   program of each column block add up the partial sums (no second kernel, as cuBLAS's split-K needs). It
   serves o_proj and down_proj with their residual, and qkv_proj. Larger steps (prefill) run cuBLAS and an add.
 - **SiLU in the gate/up projection** (`mvllm::swiglu`): the same kernel shape with a gate and an up
-  accumulator a program, whose end scales both by rstd(x) and writes SiLU(gate) * up. Larger steps run cuBLAS
+  accumulator a program and K whole, summing the rows' squares on the way; its end scales both by rstd(x)
+  and writes SiLU(gate) * up. Larger steps run cuBLAS
   and the SiLU kernel.
 Rounding: the products are rounded to the model's dtype as the eager layer's are, then scaled, the SiLU and
 the add done in float32 and rounded once. The PyTorch references run where Triton does not (CPU tests)."""
@@ -112,13 +113,10 @@ def config(rows: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
 
 
-def swiglu_config(rows: int, inter: int, k: int) -> dict:
-    """32 gate and 32 up columns a program; K split in two (four...) while fewer than 128 programs would
-    stream the weight and each share keeps at least 192 of K."""
-    blocks, split = triton.cdiv(inter, 32), 1
-    while blocks * split < 128 and k // (2 * split) >= 192 and split < 8:
-        split *= 2
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
+def swiglu_config(rows: int) -> dict:
+    """32 gate and 32 up columns a program, K whole (a split's partial sums cost more than they gain: measured
+    on the H200 by experiments/small_linear_speed.py)."""
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=64)
 
 
 def _plan(x: torch.Tensor, width: int, blocks: int, cfg: dict) -> tuple:
@@ -156,12 +154,10 @@ def _triton_swiglu(x, weight, eps: float, **tune) -> torch.Tensor:
     rows, k = x.shape
     inter = weight.shape[0] // 2
     out = x.new_empty(rows, inter)
-    cfg = swiglu_config(rows, inter, k) | tune
-    blocks = triton.cdiv(inter, cfg["BLOCK_N"])
-    k_split, split, ws, counter = _plan(x, 2 * inter, blocks, cfg)
-    _swiglu_kernel[(blocks, split)](
-        x, weight, out, ws, counter, rows, inter, k, k_split, x.stride(0), weight.stride(0), out.stride(0), eps,
-        SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
+    cfg = swiglu_config(rows) | tune
+    _swiglu_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]),)](
+        x, weight, out, rows, inter, k, x.stride(0), weight.stride(0), out.stride(0), eps,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
     return out
 
 
@@ -212,41 +208,36 @@ if triton is not None:
             _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
 
     @triton.jit
-    def _swiglu_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, INTER, K, K_SPLIT, s_x, s_w, s_out, eps,
-                       SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-        """Program (column block, split): BLOCK_N gate columns and the same up columns (INTER further on) of
-        every row over the split's share of K, then, once summed, the rows' RMSNorm scale and the SiLU."""
-        block = tl.program_id(0)
-        split = tl.program_id(1)
+    def _swiglu_kernel(x_ptr, w_ptr, out_ptr, M, INTER, K, s_x, s_w, s_out, eps, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (column block): BLOCK_N gate columns and the same up columns (INTER further on) of every row,
+        the rows' squares summed on the way (RMSNorm's rstd); the products rounded to the output's dtype (as
+        cuBLAS returns them), scaled, then SiLU(gate) * up in float32, rounded once."""
         rows = tl.arange(0, BLOCK_M)
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < INTER
-        lo = split * K_SPLIT
-        hi = tl.minimum(lo + K_SPLIT, K)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for start in range(lo, hi, BLOCK_K):
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, K, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
-            k_ok = k < hi
+            k_ok = k < K
             a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = col_ok[:, None] & k_ok[None, :]
             wg = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=w_ok, other=0.0)
             wu = tl.load(w_ptr + (INTER + cols)[:, None] * s_w + k[None, :], mask=w_ok, other=0.0)
             gate += _dot(a, wg, IEEE)
             up += _dot(a, wu, IEEE)
-        if SPLIT > 1:
-            _store_part(ws_ptr, gate, split, rows, cols, col_ok, 2 * INTER, BLOCK_M)
-            _store_part(ws_ptr, up, split, rows, INTER + cols, col_ok, 2 * INTER, BLOCK_M)
-            if tl.atomic_add(count_ptr + block, 1) == SPLIT - 1:
-                gate = _sum_parts(ws_ptr, rows, cols, col_ok, 2 * INTER, SPLIT, BLOCK_M, BLOCK_N)
-                up = _sum_parts(ws_ptr, rows, INTER + cols, col_ok, 2 * INTER, SPLIT, BLOCK_M, BLOCK_N)
-                tl.atomic_xchg(count_ptr + block, 0)
-                _swiglu_out(gate, up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, s_x, s_out, K, eps, BLOCK_M,
-                            BLOCK_K)
-        else:
-            _swiglu_out(gate, up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, s_x, s_out, K, eps, BLOCK_M, BLOCK_K)
+            v = a.to(tl.float32)
+            squares += tl.sum(v * v, 1)
+        dtype = out_ptr.dtype.element_ty
+        scale = (1.0 / tl.sqrt(squares / K + eps))[:, None]
+        gate = gate.to(dtype).to(tl.float32) * scale
+        up = up.to(dtype).to(tl.float32) * scale
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], y.to(dtype), mask=ok)
 
     @triton.jit
     def _dot(a, w, IEEE: tl.constexpr):
@@ -268,25 +259,6 @@ if triton is not None:
             part = (s * BLOCK_M + rows)[:, None] * WIDTH + cols[None, :]
             acc += tl.load(ws_ptr + part, mask=col_ok[None, :], other=0.0, cache_modifier=".cg")
         return acc
-
-    @triton.jit
-    def _swiglu_out(gate, up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, s_x, s_out, K, eps,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The products rounded to the output's dtype (as cuBLAS returns them), each row scaled by its rstd,
-        then SiLU(gate) * up in float32, rounded once."""
-        dtype = out_ptr.dtype.element_ty
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            v = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
-                        other=0.0).to(tl.float32)
-            squares += tl.sum(v * v, 1)
-        scale = (1.0 / tl.sqrt(squares / K + eps))[:, None]
-        gate = gate.to(dtype).to(tl.float32) * scale
-        up = up.to(dtype).to(tl.float32) * scale
-        y = gate / (1.0 + tl.exp(-gate)) * up
-        ok = row_ok[:, None] & col_ok[None, :]
-        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], y.to(dtype), mask=ok)
 
     @triton.jit
     def _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr,
