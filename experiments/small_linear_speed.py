@@ -1,11 +1,11 @@
-"""mvllm::linear and mvllm::swiglu (model/gpu_ops.py) against what they replace, on the GPU, in the same run.
+"""mvllm::linear (model/gpu_ops.py) against what it replaces, on the GPU, in the same run.
 
-For the QKV, O, down and gate/up projections of a model's decode step and a few row counts: the microseconds of one call
+For the QKV, O and down projections of a model's decode step and a few row counts: the microseconds of one call
 inside a CUDA graph that runs it over one weight copy per layer (so the weights come from memory, not the L2
 cache, as in a real step), for
-- `ops`: cuBLAS and the residual add (two kernels; QKV: cuBLAS alone; gate/up: cuBLAS and the SiLU kernel),
+- `ops`: cuBLAS and the residual add (two kernels; QKV: cuBLAS alone),
 - `cublas`: F.linear alone,
-- `kernel`: the Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
+- `kernel`: linear's Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
   each checked against the reference after its graph replays (the split-K sum under real concurrency).
     python3 experiments/small_linear_speed.py --out results/small-linear.json
 (The earlier version of this experiment, a kernel that also fused the norms and the SiLU into QKV and gate/up
@@ -27,7 +27,6 @@ from mvllm.model.presets import PRESETS
 
 CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, split=split)
               for bn, bk, split in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8))]
-SWIGLU_CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk) for bn, bk in itertools.product((16, 32, 64), (32, 64, 128))]
 
 
 def shapes(model: str) -> tuple[dict, int]:
@@ -35,20 +34,7 @@ def shapes(model: str) -> tuple[dict, int]:
     cfg = PRESETS[model]
     h, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     qkv = (heads + 2 * cfg["num_key_value_heads"]) * (h // heads)
-    return (dict(qkv=(qkv, h, False), o=(h, h, True), down=(h, i, True), gate_up=(2 * i, h, False)),
-            cfg["num_hidden_layers"])
-
-
-def calls(name: str, x: torch.Tensor, r: torch.Tensor | None):
-    """(what the kernel replaces, the kernel, its reference, its default config) as functions of the weight."""
-    if name == "gate_up":
-        eps = 1e-6
-        return (lambda w: gpu_ops._triton_silu_mul(F.linear(x, w), x, eps),
-                partial(gpu_ops._triton_swiglu, x, eps=eps), partial(gpu_ops.reference_swiglu, x, eps=eps),
-                lambda n, k: gpu_ops.swiglu_config(x.shape[0]) | dict(split=1))
-    return (partial(gpu_ops.reference_linear, x, bias=None, residual=r),
-            partial(gpu_ops._triton_linear, x, bias=None, residual=r),
-            partial(gpu_ops.reference_linear, x, bias=None, residual=r), partial(gpu_ops.config, x.shape[0]))
+    return dict(qkv=(qkv, h, False), o=(h, h, True), down=(h, i, True)), cfg["num_hidden_layers"]
 
 
 def timed(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
@@ -82,7 +68,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="synthetic:qwen2.5-0.5b,synthetic:smollm2-135m")
     ap.add_argument("--rows", default="1,4,16,32,64")
-    ap.add_argument("--names", default="qkv,o,down,gate_up", help="which projections")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -92,17 +77,15 @@ def main() -> None:
         model = model.removeprefix("synthetic:")
         table, layers = shapes(model)
         for name, (n, k, add) in table.items():
-            if name not in args.names.split(","):
-                continue
             w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(layers)]
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k, device=dev, dtype=dt)
                 r = torch.randn(rows, n, device=dev, dtype=dt) if add else None
-                ops, kernel, reference, default_cfg = calls(name, x, r)
-                want = reference(w[0])
+                want = gpu_ops.reference_linear(x, w[0], None, r)
+                kernel = partial(gpu_ops._triton_linear, x, bias=None, residual=r)
                 err = error(kernel(w[0]), want)
                 assert err < 2e-2, (model, name, rows, err)
-                row = dict(ops=timed(ops, w),
+                row = dict(ops=timed(partial(gpu_ops.reference_linear, x, bias=None, residual=r), w),
                            cublas=timed(partial(F.linear, x), w), kernel=timed(kernel, w),
                            mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
@@ -113,14 +96,14 @@ def main() -> None:
                 if rows != 4:
                     continue
                 times = {}
-                for cand in CANDIDATES if name != "gate_up" else SWIGLU_CANDIDATES:
-                    key = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**(dict(split=1) | cand))
+                for cand in CANDIDATES:
+                    key = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**cand)
                     times[key] = timed(partial(kernel, **cand), w)
                     err = error(kernel(w[0], **cand), want)
                     assert err < 2e-2, (model, name, key, err)
                 best = min(times, key=times.get)
                 out["candidates"][f"{model}/{name}"] = times
-                default = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**default_cfg(n, k))
+                default = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**gpu_ops.config(4, n, k))
                 print(f"    best of {len(times)}: {best} {times[best]} µs (default {default}: "
                       f"{times.get(default)})", flush=True)
     if args.out:

@@ -64,21 +64,6 @@ def test_silu_mul_kernel_matches_reference():
 
 
 @needs_triton
-def test_swiglu_kernel_matches_reference():
-    """gate/up product, rstd scale and SiLU in one kernel, one program per block of gate and up columns; K in
-    one block and in several, rows padded."""
-    dev = device()
-    g = torch.Generator().manual_seed(3)
-    for dtype, tol in dtypes():
-        for rows, inter, hidden in ((1, 4864, 896), (4, 1536, 576), (3, 100, 40), (16, 96, 700), (32, 64, 1100)):
-            x = (3 * torch.randn(rows, hidden, generator=g)).to(dev, dtype)
-            w = (torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(dev, dtype)
-            want = gpu_ops.reference_swiglu(x, w, 1e-6).float()
-            got = gpu_ops._triton_swiglu(x, w, 1e-6).float()
-            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-
-
-@needs_triton
 def test_linear_kernel_matches_reference():
     """One program per column block (K up to 1,024), and K split with the last program adding up the shares
     (run twice: the counters it leaves must be ready for the next call); with a residual and without."""

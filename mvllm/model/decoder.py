@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mvllm.errors import UnsupportedModelError
-from mvllm.model import gpu_ops  # noqa: F401 - registers mvllm::swiglu and mvllm::linear
+from mvllm.model import gpu_ops  # noqa: F401 - registers mvllm::silu_mul and mvllm::linear
 from mvllm.model.attention import AttnMeta, paged_attention
 from mvllm.model.config import ModelConfig
 
@@ -119,10 +119,10 @@ class DecoderLayer(nn.Module):
 
     def _table(self, x, rope, cache, meta):
         """The GPU's compiled layer: rotary with the cache write (and the QKV bias) in one kernel, attention
-        through the block table in one. Folded (model/gpu_ops.py): no norm kernels, the rotary kernel and the
-        gate/up projection (with the SiLU inside) scale each row by its RMSNorm rstd, the residual adds happen
-        inside o_proj and down_proj, and every projection takes mvllm's small-row GEMM. Unfolded (any Linear,
-        CPU-packed too): the norms and the rest as modules."""
+        through the block table in one. Folded (model/gpu_ops.py): no norm kernels, the kernels after qkv_proj
+        and gate_up_proj scale each row by its RMSNorm rstd, the residual adds happen inside o_proj and
+        down_proj, and these three take mvllm's small-row GEMM. Unfolded (any Linear, CPU-packed too): the
+        norms and the rest as modules."""
         attn, ops = self.self_attn, torch.ops.mvllm
         if not self.folded:
             q = ops.rope_store(attn.qkv_proj(self.input_layernorm(x)), *rope, cache, meta.packed, attn.heads,
@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
                            self.input_layernorm.eps)
         out = ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale)
         x = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias, x)
-        h = ops.swiglu(x, self.mlp.gate_up_proj.weight, self.post_attention_layernorm.eps)
+        h = ops.silu_mul(F.linear(x, self.mlp.gate_up_proj.weight), x, self.post_attention_layernorm.eps)
         return ops.linear(h, self.mlp.down_proj.weight, None, x)
 
 

@@ -1,20 +1,17 @@
-"""The compiled GPU step's layer with fewer kernels: the RMSNorms folded into the projections they feed, the
-residual adds into the projections that end each half of the layer, and the SiLU into the gate/up projection.
+"""The compiled GPU step's layer with fewer kernels: the RMSNorms folded into the projections they feed, and
+the residual adds into the projections that end each half of the layer.
 
-A decode step is bound by its kernels per layer, not by its bytes. Three changes take four of them away:
+A decode step is bound by its kernels per layer, not by its bytes. Two changes take three of them away:
 - **Norms folded** (`fold_norms`): norm(x) W^T = rstd(x) * (x (W * g)^T), so the RMSNorm's weight g is
   multiplied into the QKV and gate/up weights once at start-up (and set to one, so every other path of the
   same model computes the same function). The projection then reads the residual stream x itself, and the
-  kernel that finishes it scales each row by rstd(x), summing the row's squares itself: `mvllm::rope_store`
-  (with the QKV bias, now added after the scale) and `mvllm::swiglu` here. The two norm kernels of a layer go.
+  kernel after it scales each row by rstd(x), summing the row's squares itself: `mvllm::rope_store` (with
+  the QKV bias, now added after the scale) and `mvllm::silu_mul` here. The two norm kernels of a layer go.
 - **Residual adds in the projection** (`mvllm::linear`): for steps of a few rows, one Triton kernel computes
   x W^T (+ residual), splitting K over several programs where the weight is large and letting the last
   program of each column block add up the partial sums (no second kernel, as cuBLAS's split-K needs). It
-  serves o_proj and down_proj with their residual, and qkv_proj. Larger steps (prefill) run cuBLAS and an add.
-- **SiLU in the gate/up projection** (`mvllm::swiglu`): the same kernel shape with a gate and an up
-  accumulator a program and K whole, summing the rows' squares on the way; its end scales both by rstd(x)
-  and writes SiLU(gate) * up. Larger steps run cuBLAS
-  and the SiLU kernel.
+  serves o_proj and down_proj with their residual, and qkv_proj; gate_up_proj stays with cuBLAS. Larger
+  steps (prefill) run cuBLAS and an add.
 Rounding: the products are rounded to the model's dtype as the eager layer's are, then scaled, the SiLU and
 the add done in float32 and rounded once. The PyTorch references run where Triton does not (CPU tests)."""
 
@@ -47,25 +44,17 @@ def fold_norms(model) -> None:
             layer.folded = True
 
 
-@torch.library.custom_op("mvllm::swiglu", mutates_args=())
-def swiglu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The MLP's first half on the residual stream x [T, H], its norm folded into weight [2I, H] (gate | up):
-    SiLU(gate * r) * (up * r) [T, I], r = rstd(x) per row. Steps of up to SMALL_ROWS rows: one Triton kernel
-    (the product, the scale and the SiLU); larger ones cuBLAS, then the SiLU kernel."""
-    if x.is_cuda and triton is not None:
-        if x.shape[0] <= SMALL_ROWS:
-            return _triton_swiglu(x, weight, eps)
-        return _triton_silu_mul(F.linear(x, weight), x, eps)
-    return reference_swiglu(x, weight, eps)
+@torch.library.custom_op("mvllm::silu_mul", mutates_args=())
+def silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> SiLU(gate * r) * (up * r) [T, I], r = rstd(x) per row."""
+    if gate_up.is_cuda and triton is not None:
+        return _triton_silu_mul(gate_up, x, eps)
+    return reference_silu_mul(gate_up, x, eps)
 
 
-@swiglu.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape[0], weight.shape[0] // 2)
-
-
-def reference_swiglu(x, weight, eps: float) -> torch.Tensor:
-    return reference_silu_mul(F.linear(x, weight), x, eps)
+@silu_mul.register_fake
+def _(gate_up, x, eps):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
 def reference_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
@@ -113,50 +102,25 @@ def config(rows: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
 
 
-def swiglu_config(rows: int) -> dict:
-    """32 gate and 32 up columns a program, K whole (a split's partial sums cost more than they gain: measured
-    on the H200 by experiments/small_linear_speed.py)."""
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=64)
-
-
-def _plan(x: torch.Tensor, width: int, blocks: int, cfg: dict) -> tuple:
-    """K's share per program, the split, and where a split's partial sums [split, BLOCK_M, width] go (the last
-    program of each column block to finish adds them up) with the counters it counts them by."""
-    k = x.shape[1]
-    split = cfg.pop("split")
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = triton.cdiv(k, k_split)
-    if split == 1:
-        return k_split, 1, x, x  # no partial sums, no counters
-    ws = x.new_empty(split * cfg["BLOCK_M"] * width, dtype=torch.float32)
-    counter = _counters.get(x.device)
-    if counter is None or counter.numel() < blocks:  # zeros; each program that adds up sets its own back
-        counter = _counters[x.device] = torch.zeros(max(4096, blocks), dtype=torch.int32, device=x.device)
-    return k_split, split, ws, counter
-
-
 def _triton_linear(x, weight, bias=None, residual=None, **tune) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0]
     out = x.new_empty(rows, n)
     cfg = config(rows, n, k) | tune
+    split = cfg.pop("split")
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    k_split, split, ws, counter = _plan(x, n, blocks, cfg)
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, k_split)
+    ws = counter = out  # unused without a split
+    if split > 1:  # partial sums, added up by the last program of each column block to finish
+        ws = x.new_empty(split * cfg["BLOCK_M"] * n, dtype=torch.float32)
+        counter = _counters.get(x.device)
+        if counter is None or counter.numel() < blocks:  # zeros; each program that adds up sets its own back
+            counter = _counters[x.device] = torch.zeros(max(4096, blocks), dtype=torch.int32, device=x.device)
     _linear_kernel[(blocks, split)](
         x, weight, x if bias is None else bias, x if residual is None else residual, out, ws, counter, rows, n, k,
         k_split, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         BIAS=bias is not None, RES=residual is not None, SPLIT=split,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
-    return out
-
-
-def _triton_swiglu(x, weight, eps: float, **tune) -> torch.Tensor:
-    rows, k = x.shape
-    inter = weight.shape[0] // 2
-    out = x.new_empty(rows, inter)
-    cfg = swiglu_config(rows) | tune
-    _swiglu_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]),)](
-        x, weight, out, rows, inter, k, x.stride(0), weight.stride(0), out.stride(0), eps,
         IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
     return out
 
@@ -197,68 +161,22 @@ if triton is not None:
             k_ok = k < hi
             a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += _dot(a, w, IEEE)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
         if SPLIT > 1:  # partial sums out; the last program of this column block to finish adds them up
-            _store_part(ws_ptr, acc, split, rows, cols, col_ok, N, BLOCK_M)
+            part = (split * BLOCK_M + rows)[:, None] * N + cols[None, :]
+            tl.store(ws_ptr + part, acc, mask=col_ok[None, :])
             if tl.atomic_add(count_ptr + block, 1) == SPLIT - 1:  # acq_rel: the other splits' stores are seen
-                acc = _sum_parts(ws_ptr, rows, cols, col_ok, N, SPLIT, BLOCK_M, BLOCK_N)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(0, SPLIT):
+                    part = (s * BLOCK_M + rows)[:, None] * N + cols[None, :]
+                    acc += tl.load(ws_ptr + part, mask=col_ok[None, :], other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + block, 0)  # ready for the next call (and the next graph replay)
                 _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
         else:
             _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
-
-    @triton.jit
-    def _swiglu_kernel(x_ptr, w_ptr, out_ptr, M, INTER, K, s_x, s_w, s_out, eps, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (column block): BLOCK_N gate columns and the same up columns (INTER further on) of every row,
-        the rows' squares summed on the way (RMSNorm's rstd); the products rounded to the output's dtype (as
-        cuBLAS returns them), scaled, then SiLU(gate) * up in float32, rounded once."""
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < M
-        col_ok = cols < INTER
-        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            wg = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=w_ok, other=0.0)
-            wu = tl.load(w_ptr + (INTER + cols)[:, None] * s_w + k[None, :], mask=w_ok, other=0.0)
-            gate += _dot(a, wg, IEEE)
-            up += _dot(a, wu, IEEE)
-            v = a.to(tl.float32)
-            squares += tl.sum(v * v, 1)
-        dtype = out_ptr.dtype.element_ty
-        scale = (1.0 / tl.sqrt(squares / K + eps))[:, None]
-        gate = gate.to(dtype).to(tl.float32) * scale
-        up = up.to(dtype).to(tl.float32) * scale
-        y = gate / (1.0 + tl.exp(-gate)) * up
-        ok = row_ok[:, None] & col_ok[None, :]
-        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], y.to(dtype), mask=ok)
-
-    @triton.jit
-    def _dot(a, w, IEEE: tl.constexpr):
-        """a [M, K] times w [N, K] transposed; float32 (tests) exactly, as cuBLAS does."""
-        if IEEE:
-            return tl.dot(a, tl.trans(w), input_precision="ieee")
-        return tl.dot(a, tl.trans(w))
-
-    @triton.jit
-    def _store_part(ws_ptr, acc, split, rows, cols, col_ok, WIDTH, BLOCK_M: tl.constexpr):
-        tl.store(ws_ptr + (split * BLOCK_M + rows)[:, None] * WIDTH + cols[None, :], acc, mask=col_ok[None, :])
-
-    @triton.jit
-    def _sum_parts(ws_ptr, rows, cols, col_ok, WIDTH, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-        """The splits' partial sums of these columns, read past the L1 cache (other programs wrote them)."""
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, SPLIT):
-            part = (s * BLOCK_M + rows)[:, None] * WIDTH + cols[None, :]
-            acc += tl.load(ws_ptr + part, mask=col_ok[None, :], other=0.0, cache_modifier=".cg")
-        return acc
 
     @triton.jit
     def _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr,
