@@ -99,3 +99,26 @@ def test_rope_store_kernel_scales_and_adds_the_bias():
         got = table_attention._triton_rope_store(qkv, cos, sin, cache, packed, heads, kv, bias, x, 1e-6)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         torch.testing.assert_close(cache.float(), want_cache.float(), atol=tol, rtol=tol)
+
+
+@needs_triton
+def test_argmax_kernel_is_torch_argmax():
+    """The decode graph's greedy pick: the first index of the largest, across chunks and inside one, with a
+    vocabulary that is not a multiple of the chunk, a row of -inf, a NaN; run twice (the counters it leaves)."""
+    dev = device()
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, vocab in ((1, 151936), (4, 49152), (7, 5000), (3, 100)):
+            x = torch.randn(rows, vocab, generator=g)
+            x[0, [vocab // 3, vocab - 1, 2 * vocab // 3]] = 50.0  # a tie across chunks: the first wins
+            if rows > 1:
+                x[1, [7, 9]] = 60.0  # a tie inside one chunk
+                x[-1] = -float("inf")
+            if rows > 2:
+                x[2, vocab // 2] = float("nan")
+            x = x.to(dev, dtype)
+            want = torch.argmax(x.cpu().float(), dim=-1)
+            for _ in range(2):
+                out = torch.full((rows,), -1, dtype=torch.long, device=dev)
+                gpu_ops._triton_argmax(x, out)
+                assert out.cpu().tolist() == want.tolist(), (rows, vocab, dtype)

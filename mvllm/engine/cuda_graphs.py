@@ -29,7 +29,7 @@ import torch
 from mvllm.engine.sequence import Sequence
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
-from mvllm.model.gpu_ops import fold_norms
+from mvllm.model.gpu_ops import argmax, fold_norms
 
 TOKEN_BUCKETS = (8, 16, 32, 64)
 HEAD_ROWS = TOKEN_BUCKETS[-1]  # steps up to this many tokens run the LM head (and argmax) in their graph
@@ -104,7 +104,7 @@ class GraphRunner:
                 torch.mm(self.hidden[:t], head.weight.t(), out=logits)
             else:
                 logits.copy_(head(self.hidden[:t]))
-            torch.argmax(logits, dim=-1, out=self.tokens[:t])
+            argmax(logits, self.tokens[:t])
 
     def _body(self, t: int, lk: int) -> None:
         x = self.inputs[t]
