@@ -3,7 +3,10 @@ backend modelled from a profile instead of run.
 
 Each backend is eta's timing model (routing/eta.py: `Timing`), stepped through time as the engine steps:
 FCFS admission up to max_active; every step gives one token to each running request, and a request's first
-token comes at the end of the step that admits it. A step of b requests takes the profile's decode step
+token comes at the end of the step that admits it. A backend profiled with overlap (CUDA's default) schedules
+each step as the one before it starts, counting the tokens in flight: a request that arrives while a step
+runs joins the step after next, and a slot freed by a request's last token is filled in the next step as in
+the plain loop. A step of b requests takes the profile's decode step
 time at batch b, plus the uncached prompt tokens it admits at the profile's prefill rate. Cached prefixes
 are full blocks of 16 found by the same chain of block hashes as the engine's (warmed as the bench warms
 them; no eviction is modelled). The router sees the events a worker would send (admitted, token,
@@ -65,6 +68,8 @@ class Backend:
     running: list = field(default_factory=list)
     blocks: set = field(default_factory=set)
     busy: bool = False
+    planned: list = field(default_factory=list)  # overlap: the next step's requests, scheduled as this one began
+    planned_prefill: float = 0.0
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
         n = 0
@@ -78,15 +83,29 @@ class Backend:
         self.blocks.update(block_hashes(tokens))
 
 
-    def start_step(self, router: Router) -> float:
-        """Admit what fits, return the step's duration; the caller ends it with `end_step`."""
+    def admit(self, router: Router, into: list) -> float:
+        """Move waiting requests into `into` while it has room; returns their prefill's extra seconds."""
         prefill = 0.0
-        while self.waiting and len(self.running) < self.timing.max_active:
+        while self.waiting and len(into) < self.timing.max_active:
             job = self.waiting.popleft()
             job.cached = min(self.cached_prefix_len(job.prompt), len(job.prompt) - 1)
             prefill += self.timing.prefill_s(len(job.prompt) - job.cached)
             router.on_scheduled(self.name, job.rid, job.cached)
-            self.running.append(job)
+            into.append(job)
+        return prefill
+
+    def start_step(self, router: Router) -> float:
+        """Admit what fits, return the step's duration; the caller ends it with `end_step`. With overlap the
+        step runs what was scheduled as the step before it began (if anything was: an idle engine schedules
+        at once), and the step after it is scheduled now, without the requests this one ends."""
+        if self.planned:
+            self.running, prefill = self.planned, self.planned_prefill
+        else:
+            prefill = self.admit(router, self.running)
+        self.planned, self.planned_prefill = [], 0.0
+        if self.timing.overlap:
+            self.planned = [job for job in self.running if job.generated + 1 < job.max_tokens]
+            self.planned_prefill = self.admit(router, self.planned)
         self.busy = True
         return self.timing.step_s[len(self.running) - 1] + prefill
 

@@ -29,6 +29,7 @@ class Timing:
     step_s: list[float]  # step_s[b - 1]: seconds per decode step with b running requests, host work included
     prefill_points: list[tuple[int, float]] = field(default_factory=list)  # (uncached tokens, extra seconds)
     request_s: float = 0.0
+    overlap: bool = False  # the profile's backend scheduled each step while the one before it ran
     memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -44,7 +45,7 @@ class Timing:
         serving = entry.get("serving") or {}
         host = float(serving.get("step_ms", 0.0)) / 1000
         return cls(float(entry["prefill_rate"]), [s + host for s in steps], prefill_points(entry, table),
-                   float(serving.get("request_ms", 0.0)) / 1000)
+                   float(serving.get("request_ms", 0.0)) / 1000, bool(entry.get("overlap")))
 
     @property
     def max_active(self) -> int:
