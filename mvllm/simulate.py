@@ -82,6 +82,10 @@ class Backend:
     def cache(self, tokens: list[int]) -> None:
         self.blocks.update(block_hashes(tokens))
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.planned)
+
 
     def admit(self, router: Router, into: list) -> float:
         """Move waiting requests into `into` while it has room; returns their prefill's extra seconds."""
@@ -173,7 +177,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
         else:
             backend = what
             backend.end_step(now, router)
-        if not backend.busy and (backend.waiting or backend.running):
+        if not backend.busy and backend.has_work:
             seq += 1
             heapq.heappush(events, (now + backend.start_step(router), seq, "step", backend))
     router.close()
