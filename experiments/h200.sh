@@ -18,6 +18,8 @@
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
 # path compiles once per cache (about 60 s) and then starts in under 30 s.
+# Export MVLLM_GIT_COMMIT=<the commit here> on the device: the copy's .git there can show an older HEAD, and
+# every profile and run records git_commit from it.
 # RUNS (default results) is where each experiment's folder goes; the runs of the compiled GPU path went to
 # RUNS=results/compiled-gpu, beside the earlier runs in results/<experiment>. Every step stops before the
 # call's time (STAGE_S, default 570 s) runs out, so what finished is always kept; logs go to $RUNS/h200-logs.
