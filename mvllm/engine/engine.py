@@ -37,7 +37,7 @@ class EngineConfig:
     quant: str | None = None  # None: on the CPU, the mode cpu_mode picks for this machine; elsewhere none
     graphs: bool = True
     compile: bool = True  # CUDA: torch.compile + Triton attention where Triton exists (off: eager ops)
-    overlap: bool | None = None  # schedule step N+1 while step N runs (its tokens read one step later); None: on CUDA
+    overlap: bool | None = None  # schedule step N+1 while step N runs (its tokens read a step later); None: CUDA
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
     picked: str = ""  # how the CPU mode was chosen
 
