@@ -34,6 +34,20 @@ def llama(tiny):
     return tiny("llama")
 
 
+@pytest.fixture(params=["float64", "no-float64"])
+def arithmetic(request, monkeypatch):
+    """The sampler as on CPU and CUDA, and as on a device without float64 (MPS, emulated: see
+    test_sampler_mps.py), where no float64 tensor may appear."""
+    if request.param == "float64":
+        yield
+        return
+    from test_sampler_mps import emulate_mps
+
+    calls = emulate_mps(monkeypatch)
+    yield
+    assert calls, "the test never sampled"
+
+
 def test_max_active_bounds_the_running_set(llama):
     eng = engine(llama[0], max_active=2)
     reqs = [eng.add_request(p, greedy(n)) for p, n in zip(prompts(10, [3, 9, 20, 4, 12, 6]), [5, 9, 3, 7, 4, 6])]
@@ -68,7 +82,7 @@ def test_tiny_pool_preempts_and_still_matches(llama):
     assert small.blocks.num_free == small.blocks.num_blocks
 
 
-def test_seeded_sampling_survives_preemption(llama):
+def test_seeded_sampling_survives_preemption(llama, arithmetic):
     path, _ = llama
     ps = prompts(22, [10, 7, 12, 9])
     runs = []
@@ -159,7 +173,7 @@ def sampled(llm: LLM, prompt, **kw) -> list[int]:
     return llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, **kw))[0].token_ids
 
 
-def test_seeded_sampling_is_reproducible_and_seed_dependent(llama):
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llama, arithmetic):
     llm = LLM(str(llama[0]), dtype="float32", num_blocks=128)
     prompt = prompts(16, [12])[0]
     a = sampled(llm, prompt, temperature=1.5, seed=1)
@@ -175,7 +189,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llama):
         sampled(llm, prompt, temperature=1.5, seed=1, top_k=20, top_p=0.9)
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy(llama):
+def test_top_k_1_and_tiny_top_p_are_greedy(llama, arithmetic):
     llm = LLM(str(llama[0]), dtype="float32", num_blocks=128)
     for prompt in prompts(19, [5, 23]):
         want = sampled(llm, prompt, temperature=0.0)
@@ -214,7 +228,7 @@ def test_warm_seeds_the_cache(llama):
     (dict(temperature=1.0, top_k=3, top_p=0.4), {0}),
     (dict(temperature=0.0, top_k=3), {0}),
 ])
-def test_sampler_support(kw, support):
+def test_sampler_support(kw, support, arithmetic):
     import torch
 
     from mvllm.engine.sampler import sample

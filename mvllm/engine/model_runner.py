@@ -10,14 +10,14 @@ through mvllm's fused CPU kernels where they build (`model/fused.py`; `fused=Fal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mvllm.engine import cpu_fused
 from mvllm.engine.cuda_graphs import HEAD_ROWS, GraphRunner
 from mvllm.engine.quant import pack, packable
-from mvllm.engine.sampler import sample
+from mvllm.engine.sampler import sample_rows
 from mvllm.engine.scheduler import Batch
 from mvllm.engine.sequence import PENDING
 from mvllm.model import table_attention
@@ -30,13 +30,15 @@ Fill = tuple[torch.Tensor, torch.Tensor]
 @dataclass(slots=True)
 class Launched:
     """A step whose sampled ids are still on their way to the host (overlap): the ids on the device, the
-    row of each sequence's id, where in its token_ids each goes, and the host copy under way."""
+    row of each sequence's id, where in its token_ids each goes, the host copy under way, and the requests
+    whose sampling failed (their ids are 0)."""
     batch: Batch
     ids: torch.Tensor
     rows: dict[str, int]
     index: list[int]
     host: torch.Tensor
     ready: object  # a CUDA event, or None where the copy is already done
+    failed: dict[str, Exception] = field(default_factory=dict)
 
     def tokens(self) -> list[int]:
         if self.ready is not None:
@@ -60,6 +62,7 @@ class ModelRunner:
         self.captured = graphs and device.type == "cuda"
         self.layout = "fused" if self.fused else "table" if self.compiled else ""
         self.graphs = None
+        self.failed: dict[str, Exception] = {}  # the last run's requests whose sampling raised
         if self.captured or self.compiled:
             self.graphs = GraphRunner(model, self.caches, block_size, max_active, max_model_len, scratch,
                                       capture=self.captured, compiled=self.compiled)
@@ -75,7 +78,7 @@ class ModelRunner:
         else:
             host, ready = ids, None
         return Launched(batch, ids, {s.request_id: i for i, s in enumerate(batch.seqs)},
-                        [len(s) for s in batch.seqs], host, ready)
+                        [len(s) for s in batch.seqs], host, ready, self.failed)
 
     @staticmethod
     def kv_bytes_per_token(model_cfg, dtype: torch.dtype) -> int:
@@ -84,7 +87,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, prev: Launched | None = None) -> torch.Tensor:
         """The batch's sampled token ids [B], on the device. `prev`: the step launched before this one, whose
-        ids have not reached the host (overlap): tokens still PENDING are taken from its ids on the device."""
+        ids have not reached the host (overlap): tokens still PENDING are taken from its ids on the device.
+        A request whose sampling raised gets id 0 and its exception in `self.failed` (until the next run); a
+        failing forward raises."""
         seqs = batch.seqs
         spans = [(s.num_computed_tokens, len(s)) for s in seqs]
         last, n = [], 0
@@ -98,8 +103,12 @@ class ModelRunner:
                 dst, src = (torch.tensor(x).to(self.device, non_blocking=True) for x in zip(*late))
                 fill = dst, prev.ids[src]
         pick = None if n == len(seqs) else torch.tensor(last, device=self.device)
+        self.failed = {}
         logits, tokens = self.logits(seqs, spans, pick, fill)
-        return sample(logits, seqs, tokens)
+        ids, failed = sample_rows(logits, seqs, tokens)
+        if failed:
+            self.failed = {seqs[i].request_id: e for i, e in failed.items()}
+        return ids
 
     def logits(self, seqs, spans: list[tuple[int, int]], rows: torch.Tensor | None = None,
                fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

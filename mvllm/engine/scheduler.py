@@ -88,10 +88,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, tokens: list[int], now: float) -> list[Sequence]:
+    def postprocess(self, batch: Batch, tokens: list[int], now: float,
+                    errors: dict[str, Exception] | None = None) -> list[Sequence]:
         """Append each sampled token; return the sequences that finished (their blocks already freed)."""
         self.launched(batch)
-        return self.land(batch, [len(s) - 1 for s in batch.seqs], tokens, now)
+        return self.land(batch, [len(s) - 1 for s in batch.seqs], tokens, now, errors)
 
     def launched(self, batch: Batch) -> None:
         """The batch's step is running: its tokens count as computed, and each sequence holds a PENDING token
@@ -100,26 +101,54 @@ class Scheduler:
             seq.num_computed_tokens = len(seq)
             seq.token_ids.append(PENDING)
 
-    def land(self, batch: Batch, index: list[int], tokens: list[int], now: float) -> list[Sequence]:
+    def land(self, batch: Batch, index: list[int], tokens: list[int], now: float,
+             errors: dict[str, Exception] | None = None) -> list[Sequence]:
         """The step's sampled tokens reached the host: each goes to token_ids[index] of its sequence (unless it
-        ended meanwhile: aborted, or finished by the step before in overlap); returns those that finished."""
+        ended meanwhile: aborted, or finished by the step before in overlap); returns those that finished.
+        `errors`: request id -> why its token could not be sampled. Such a sequence, and one whose landing
+        raises (its exception added to `errors`), ends with finish_reason "error" and is returned too; the
+        others land as if it were not there."""
+        errors = {} if errors is None else errors
         finished = []
         for seq, i, token in zip(batch.seqs, index, tokens):
             if seq.status is Status.FINISHED:
                 continue
-            seq.token_ids[i] = token
-            if seq.status is Status.RUNNING:
-                self.blocks.commit(seq)
-            if seq.times.first_token is None:
-                seq.times.first_token = now
-            seq.times.tokens.append(now)
-            reason = self._stop_reason(seq, token, i + 1)
-            if reason:
+            reason = None
+            if seq.request_id not in errors:
+                try:
+                    reason = self._land_one(seq, i, token, now)
+                except Exception as e:  # this request ends with it; the others go on
+                    errors[seq.request_id] = e
+            if seq.request_id in errors:
+                del seq.token_ids[i:]  # the token that failed, and any PENDING one after it (overlap)
+                del seq.times.tokens[i - seq.num_prompt_tokens:]
+                self.fail(seq, now)
+                finished.append(seq)
+            elif reason:
                 del seq.token_ids[i + 1:]  # overlap: the next step's PENDING token, computed in vain
                 (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
                 self._finish(seq, reason, now)
                 finished.append(seq)
         return finished
+
+    def _land_one(self, seq: Sequence, i: int, token: int, now: float) -> str | None:
+        seq.token_ids[i] = token
+        if seq.status is Status.RUNNING:
+            self.blocks.commit(seq)
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        seq.times.tokens.append(now)
+        return self._stop_reason(seq, token, i + 1)
+
+    def fail(self, seq: Sequence, now: float | None = None) -> None:
+        """End seq with finish_reason "error" (its step failed) wherever it is, its blocks freed; trailing
+        PENDING tokens (a step that will not land) are dropped."""
+        while len(seq) > seq.num_prompt_tokens and seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        self._finish(seq, "error", now)
 
     def _done(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -116,18 +117,52 @@ def _handle(engine: Engine, msg: tuple, send: Callable) -> None:
             send(("reply", msg[1], e))
 
 
+_reported: set[tuple] = set()  # the errors whose traceback this worker printed
+
+
+def _report(name: str, error: Exception, rids: list[str]) -> str:
+    """One line on stderr for an error that ended `rids` (its traceback too, the first time this error is
+    seen: same type, raised at the same place); returns the message their clients get (one line too)."""
+    message = f"backend {name} failed: {_describe(error)}"
+    tb = traceback.extract_tb(error.__traceback__)
+    where = (tb[-1].filename, tb[-1].lineno) if tb else None
+    if (type(error), where) not in _reported:
+        _reported.add((type(error), where))
+        traceback.print_exception(error, file=sys.stderr)
+    shown = ", ".join(rids[:4]) + (f" and {len(rids) - 4} more" if len(rids) > 4 else "")
+    ended = f"ended request{'s' if len(rids) > 1 else ''} {shown}" if rids else "no request was in flight"
+    print(f"{message} ({ended})", file=sys.stderr, flush=True)
+    return message
+
+
+def _describe(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def _step(engine: Engine, spec: BackendSpec, send: Callable) -> None:
     try:
         outs = engine.step()
-    except Exception as e:  # a failing step ends its requests, not the backend
-        traceback.print_exc()
-        for rid in list(engine.requests):
+    except Exception as e:  # the engine ends the requests of a failing step itself; this is a failure outside
+        rids = list(engine.requests)  # any one step (its state is unknown): end them all, not the backend
+        message = _report(spec.name, e, rids)
+        for rid in rids:
             engine.abort(rid)
-            send(("error", rid, f"backend {spec.name} failed: {type(e).__name__}: {e}"))
+            send(("error", rid, message))
         return
-    if outs:
-        tokens = [(o.seq.request_id, o.token, o.seq.finish_reason if o.finished else None) for o in outs]
-        send(("step", tokens, load(engine)))
+    if not outs:
+        return
+    tokens = [(o.seq.request_id, o.token, o.seq.finish_reason if o.finished else None)
+              for o in outs if o.error is None]
+    send(("step", tokens, load(engine)))  # sent even with no token: the load shows the blocks freed
+    errors: dict[str, tuple[Exception, list[str]]] = {}  # one log line per distinct error of the step
+    for o in outs:
+        if o.error is not None:
+            errors.setdefault(_describe(o.error), (o.error, []))[1].append(o.seq.request_id)
+    for error, rids in errors.values():
+        message = _report(spec.name, error, rids)
+        for rid in rids:
+            send(("error", rid, message))
 
 
 class ProcessBackend:
