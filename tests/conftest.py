@@ -136,3 +136,40 @@ def start_long_stream(url: str, model: str, max_tokens: int, timeout: float):
     thread = threading.Thread(target=run)
     thread.start()
     return thread, lines, streaming
+
+
+MAC = Path(__file__).parent / "mac"  # sitecustomize.py: PyTorch's macOS wheel; clang++: Apple clang
+
+
+@pytest.fixture
+def fake_clang(tmp_path, monkeypatch):
+    """CXX = the fake Apple clang (tests/mac/clang++), MVLLM_CACHE in tmp_path; returns (its call log, the env
+    for a fresh process)."""
+    import os
+    import shutil
+
+    log = tmp_path / "cxx.log"
+    log.touch()
+    env = {"CXX": str(MAC / "clang++"), "FAKE_CXX_LOG": str(log), "FAKE_CXX_REAL": shutil.which("g++") or "g++",
+           "MVLLM_CACHE": str(tmp_path / "cache")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return log, {**os.environ, **env}
+
+
+def libomp_standin(folder: Path) -> Path | None:
+    """A folder holding a libomp.so that is libgomp (what g++ links), to stand in for the macOS wheel's
+    torch/lib/libomp.dylib; None where there is no libgomp."""
+    import subprocess
+
+    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if not gomp.exists():
+        found = subprocess.run(["g++", "-print-file-name=libgomp.so"], capture_output=True, text=True).stdout.strip()
+        gomp = Path(found)
+    if not gomp.is_absolute() or not gomp.exists():
+        return None
+    lib = folder / "torch-lib"
+    lib.mkdir(exist_ok=True)
+    if not (lib / "libomp.so").exists():
+        (lib / "libomp.so").symlink_to(gomp)
+    return lib

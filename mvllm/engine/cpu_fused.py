@@ -3,8 +3,10 @@ about 9 calls (norm, qkv matmul, rope_store, paged_attention, o matmul, norm, ga
 down matmul) instead of ~40 small torch ops plus a copy of the paged KV context before attention.
 
 Built on first use by engine/cpu_build.py and cached, like cpu_kernels. `available()` never raises: when the build
-fails it returns False and `why_unavailable` says why; the wrappers then run the `reference_*` versions
-(plain torch ops, the specification of each kernel's semantics, used by the tests).
+fails it returns False and `why_unavailable` says why (one line: the compiler's first error); the wrappers then
+run the `reference_*` versions (plain torch ops, the specification of each kernel's semantics, used by the
+tests). `build_info()`: cpu_build.status("fused"), the flags it built with and whether with OpenMP (without
+it at::parallel_for runs on one thread), or its error.
 
 Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
 - add_rms_norm(x [T, hidden], residual [T, hidden] or None, weight [hidden], eps) -> (normed, residual_out)
@@ -38,6 +40,11 @@ def available() -> bool:
     global _ops, why_unavailable
     _ops, why_unavailable = cpu_build.attempt(_load)
     return _ops is not None
+
+
+def build_info() -> dict:
+    """How the kernels built in this process (cpu_build.status): builds nothing; call available() first."""
+    return cpu_build.status("fused")
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -3,8 +3,13 @@ inputs, float32 activations. The kernel (csrc/int8_linear.cpp) reads each weight
 all activation rows, so decode (1-8 rows) runs near memory bandwidth on 28% of float32's bytes.
 
 It is built on first use by engine/cpu_build.py and cached. `available()` never raises: when the
-build fails it returns False and `why_unavailable` says why; `int8_linear` then computes the same result
-with plain torch ops (slowly, de-quantizing the whole weight).
+build fails it returns False and `why_unavailable` says why (one line: the compiler's first error);
+`int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
+`build_info()`: cpu_build.status("int8"), the flags it built with and whether with OpenMP, or its error.
+
+The kernel has a portable path (no AVX-512: plain loops the compiler vectorises), so it builds on any CPU and
+explicit quant=int8w runs there; quant.cpu_mode checks avx512() before available(), so a machine without
+AVX-512 never builds it just to pick its default mode.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ def available() -> bool:
     global _op, why_unavailable
     _op, why_unavailable = _try_load()
     return _op is not None
+
+
+def build_info() -> dict:
+    """How the kernel built in this process (cpu_build.status): builds nothing; call available() first."""
+    return cpu_build.status("int8")
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
