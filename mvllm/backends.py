@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from mvllm import machine
 from mvllm.engine.engine import DEFAULT_DTYPES, EngineConfig
 from mvllm.errors import InvalidRequestError
 
@@ -210,13 +211,15 @@ def default_backends() -> str:
 
 def share_cores(specs: list[BackendSpec]) -> None:
     """Share the cores as `serve` runs the backends, each in its own process: CPU backends without a thread
-    count split what the GPU workers (one thread each) leave. `profile` applies the same split, so a
-    backend is measured with the threads it will be served with."""
+    count split what the GPU workers (one thread each) leave of the compute cores (on Apple silicon the
+    performance cores: machine.compute_cores). `profile` applies the same split, so a backend is measured
+    with the threads it will be served with."""
     local = [s for s in specs if not s.remote]  # a remote backend's threads are another machine's
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
     others = len(local) - len([s for s in local if s.device == "cpu"])
+    cores = machine.compute_cores()[0]
     for s in cpu:
-        s.threads = max(1, ((os.cpu_count() or 1) - others) // len(cpu))
+        s.threads = max(1, (cores - others) // len(cpu))
     for s in local:
         if s.device != "cpu" and s.threads is None:
             s.threads = 1

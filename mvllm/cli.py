@@ -228,6 +228,27 @@ def simulate(
 
 @app.command()
 @one_line_errors
+def env(
+    backends: str = typer.Option(None, help="The backends to explain (default: a GPU if present, and the CPU)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the facts as JSON on stdout."),
+):
+    """Say what this machine will run: the torch build (oneDNN, OpenMP, CUDA, MPS), the devices, and for each
+    backend the mode it picks and why, its threads, and whether each CPU kernel built (or the first error)."""
+    import json
+
+    from mvllm.backends import default_backends
+    from mvllm.env import collect, render
+
+    with console.status("checking the machine (a first run builds the CPU kernels)"):
+        facts = collect(backends or default_backends())
+    if json_out:
+        print(json.dumps(facts, indent=2))
+    else:
+        print(render(facts))
+
+
+@app.command()
+@one_line_errors
 def report(
     folder: str = typer.Argument(None, help="One experiment's results folder (default: every experiment "
                                             "under results/)."),

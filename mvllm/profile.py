@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
+from mvllm import machine
 from mvllm.accuracy import SYNTHETIC_NOTE, Reference
 from mvllm.backends import BackendSpec, share_cores
 from mvllm.bench.env import cpu_name, git_commit
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
+from mvllm.env import backend_facts
 from mvllm.errors import MvllmError
 from mvllm.model.loader import resolve
 
@@ -199,7 +201,7 @@ def environment(model: str) -> dict:
             "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "git_commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "build": machine.build_facts(), "git_commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] = LENGTHS, repeats: int = 5,
@@ -224,6 +226,7 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
             continue
         torch.set_num_threads(spec.threads or default_threads)
         entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference)
+        entry["env"] = backend_facts(spec)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -165,16 +165,24 @@ def test_profile_measures_each_backend_with_the_threads_serve_gives_it(monkeypat
     """serve runs each backend in its own process and splits the cores between CPU backends without a thread
     count (a GPU worker keeps one); profile applies the same split, or it would promise the speed of all the
     cores to each backend."""
+    from mvllm import machine
     from mvllm.backends import parse_backends, share_cores
 
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
     specs = parse_backends("gpu=cpu,cpu=cpu,x=cpu/threads=3", check_devices=False)
     share_cores(specs)
     assert [s.threads for s in specs] == [8, 8, 3]
     specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
     share_cores(specs)
     assert [s.threads for s in specs] == [1, 15]
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with monkeypatch.context() as m:  # an M2: its 4 performance cores of 8, one left to the MPS worker
+        m.setattr(machine, "system", lambda: "darwin")
+        m.setattr(machine, "arch", lambda: "arm64")
+        m.setattr(machine, "sysctl", {"hw.perflevel0.physicalcpu": 4}.get)
+        specs = parse_backends("gpu=mps,cpu=cpu", check_devices=False)
+        share_cores(specs)
+        assert [s.threads for s in specs] == [1, 3]
+    monkeypatch.setattr(machine, "logical_cpus", lambda: 2)
     torch.set_num_threads(2)  # what profile would otherwise give each backend here
     try:
         entry = run_profile(TINY, parse_backends("gpu=cpu,cpu=cpu"), (16,), 1, 2, accuracy=False)["backends"]

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from mvllm import machine
 from mvllm.engine.block_manager import BlockManager
 from mvllm.engine.model_runner import Launched, ModelRunner
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.quant import cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
-from mvllm.engine.sequence import Sequence, Status
+from mvllm.engine.sequence import PENDING, Sequence, Status
 from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
 from mvllm.model.loader import ModelSource, build_model, resolve
 
@@ -103,9 +104,13 @@ def check_budget(prompt_tokens: int, max_tokens: int, max_model_len: int) -> Non
 
 @dataclass(slots=True)
 class StepOutput:
+    """A token of a request, or (`error` set) the end of a request whose step failed: its forward, its
+    sampling or the check of its token. Such a request is finished (finish_reason "error", its blocks
+    freed) and reports no token (token is PENDING); the other requests of its step go on."""
     seq: Sequence
     token: int
     finished: bool
+    error: Exception | None = None
 
 
 class Engine:
@@ -114,8 +119,11 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype) if config.dtype else DEFAULT_DTYPES[self.device.type]
-        if config.threads and self.device.type == "cpu":
-            torch.set_num_threads(config.threads)
+        threads = config.threads
+        if threads is None and self.device.type == "cpu" and machine.apple_silicon():
+            threads = machine.compute_cores()[0]  # torch's default counts the efficiency cores too
+        if threads:  # a GPU worker too: serve gives it one thread, as profile measured it
+            torch.set_num_threads(threads)
         self.source = source or resolve(config.model)
         cfg = self.source.config
         self.model = quantize(build_model(self.source, self.device, self.dtype), config.quant, self.device)
@@ -163,7 +171,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule and run one step; returns its tokens. With `overlap`, the step is launched and the tokens
-        returned are the previous step's: the host schedules and packs step N+1 while the device runs step N."""
+        returned are the previous step's: the host schedules and packs step N+1 while the device runs step N.
+        A step that fails ends only the requests it must, each with an output whose `error` is set: those
+        whose sampling or stop check raised, or every request of the batch if its forward did."""
         if self.config.overlap:
             return self._step_overlap()
         batch = self.scheduler.schedule()
@@ -171,36 +181,59 @@ class Engine:
             return []
         if self.on_schedule:
             self.on_schedule(batch)
-        tokens = self.runner.run(batch).tolist()
-        finished = self.scheduler.postprocess(batch, tokens, time.time())
-        return self._outputs(batch, tokens, finished, batch.seqs)
+        try:
+            tokens = self.runner.run(batch).tolist()
+        except Exception as e:  # the forward failed: this batch's requests end with it
+            return self._fail(batch.seqs, e)
+        errors = dict(self.runner.failed)  # requests whose sampling failed: they end, the others go on
+        finished = self.scheduler.postprocess(batch, tokens, time.time(), errors)
+        return self._outputs(batch, tokens, finished, batch.seqs, errors)
 
     def _step_overlap(self) -> list[StepOutput]:
         prev, self.inflight = self.inflight, None
-        try:
-            batch = self.scheduler.schedule()
-            if batch:
-                if self.on_schedule:
-                    self.on_schedule(batch)
+        failed = []
+        batch = self.scheduler.schedule()
+        if batch:
+            if self.on_schedule:
+                self.on_schedule(batch)
+            try:
                 self.inflight = self.runner.launch(batch, prev)
+            except Exception as e:  # its forward failed: this batch's requests end with it
+                failed = self._fail(batch.seqs, e)
+            else:
                 self.scheduler.launched(batch)
-            if prev is None:
-                return []
-            live = [s for s in prev.batch.seqs if s.status is not Status.FINISHED]
+        if prev is None:
+            return failed
+        live = [s for s in prev.batch.seqs if s.status is not Status.FINISHED]
+        try:
             tokens = prev.tokens()
-            finished = self.scheduler.land(prev.batch, prev.index, tokens, time.time())
-        except Exception:
-            self.inflight = None  # a failed step ends its requests (the caller aborts them), not the engine
-            raise
-        return self._outputs(prev.batch, tokens, finished, live)
+        except Exception as e:  # the step's ids never came: its requests end with it
+            return failed + self._fail(live, e)
+        errors = dict(prev.failed)
+        finished = self.scheduler.land(prev.batch, prev.index, tokens, time.time(), errors)
+        return failed + self._outputs(prev.batch, tokens, finished, live, errors)
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[StepOutput]:
+        """End the requests of a step that failed as a whole (those not ended already)."""
+        now, outs = time.time(), []
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.fail(seq, now)
+                self.requests.pop(seq.request_id, None)
+                outs.append(StepOutput(seq, PENDING, True, error))
+        return outs
 
     def _outputs(self, batch: Batch, tokens: list[int], finished: list[Sequence],
-                 live: list[Sequence]) -> list[StepOutput]:
+                 live: list[Sequence], errors: dict[str, Exception]) -> list[StepOutput]:
         done = {s.request_id for s in finished}
         for rid in done:
             self.requests.pop(rid, None)
-        keep = {id(s) for s in live}
-        return [StepOutput(s, t, s.request_id in done) for s, t in zip(batch.seqs, tokens) if id(s) in keep]
+        keep, outs = {id(s) for s in live}, []
+        for s, t in zip(batch.seqs, tokens):
+            if id(s) in keep:
+                error = errors.get(s.request_id) if s.finish_reason == "error" else None
+                outs.append(StepOutput(s, t if error is None else PENDING, s.request_id in done, error))
+        return outs
 
     def cached_prefix_len(self, token_ids: list[int]) -> int:
         return self.blocks.cached_prefix_len(token_ids)

@@ -18,12 +18,12 @@ else float32. The tied lm_head gets its own quantized copy; the embedding stays 
 from __future__ import annotations
 
 import functools
-import platform
 import warnings
 
 import torch
 from torch import nn
 
+from mvllm import machine
 from mvllm.engine import cpu_kernels
 from mvllm.errors import InvalidRequestError
 from mvllm.model.decoder import Decoder
@@ -82,12 +82,15 @@ def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
 
 
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's packed Linear runs here: an x86 build with oneDNN (never the macOS wheel), native bf16 for
+    bfloat16. Checked through `machine`, whose probes cannot raise on a build without oneDNN."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not (machine.onednn() and machine.x86()):
         return False
-    return (torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")
-            and _packing_works(dtype))
+    if dtype == torch.bfloat16 and not machine.onednn_bf16():
+        return False
+    return _packing_works(dtype)
 
 
 @functools.cache
@@ -142,9 +145,13 @@ def cpu_mode(dtype: str | None, quant: str | None) -> tuple[str, str, str]:
             raise InvalidRequestError(f"quant={quant} does not run on this machine ({why}); it runs: "
                                       f"{', '.join(cpu_modes())}", "quant")
         return "float32", quant, "as asked"
+    if dtype == "bfloat16" and not packable(CPU, torch.bfloat16):
+        why = "oneDNN lacks native bf16 on this CPU" if machine.onednn() else "this torch build has no oneDNN"
+        raise InvalidRequestError(f"dtype=bfloat16 does not run on this CPU ({why}: every op would be emulated, "
+                                  f"slower than float32); it runs: {', '.join(cpu_modes())}", "dtype")
     if dtype is not None or quant == "none":
         return dtype or "float32", "none", "as asked"
-    if cpu_kernels.available() and avx512():
+    if avx512() and cpu_kernels.available():
         return "float32", "int8w", "picked: the int8 kernel built with AVX-512 here"
     if packable(CPU, torch.bfloat16):
         return "bfloat16", "none", "picked: oneDNN has native bf16 here (no AVX-512 int8 kernel)"
@@ -153,8 +160,9 @@ def cpu_mode(dtype: str | None, quant: str | None) -> tuple[str, str, str]:
 
 def avx512() -> bool:
     """Whether this CPU runs AVX-512, as PyTorch's own kernel dispatch sees it (the int8 kernel is built
-    with -march=native, so it uses AVX-512 exactly where this holds)."""
-    return "AVX512" in torch.backends.cpu.get_cpu_capability()
+    with -march=native, so it uses AVX-512 exactly where this holds). Checked before the kernel is built:
+    a machine without it never pays for a build it cannot use by default."""
+    return machine.avx512()
 
 
 def _untie(model: Decoder) -> None:

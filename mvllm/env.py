@@ -1,0 +1,115 @@
+"""`mvllm env`: what this machine will run, before anything is loaded (as vLLM's collect-env and llama.cpp's
+system info): the torch build, the devices, and for each backend of a spec the mode it picks and why, its
+threads, and whether each of its kernels built (or the compiler's first error). `profile` records the same
+facts in every profile."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from mvllm import machine
+from mvllm.backends import BackendSpec, parse_backends, share_cores
+from mvllm.bench.env import cpu_name
+
+
+def devices() -> dict:
+    out = {"cpu": cpu_name()}
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        out[f"cuda:{i}"] = torch.cuda.get_device_name(i)
+    if machine.mps():
+        out["mps"] = "Apple MPS"
+    return out
+
+
+def kernels(spec: BackendSpec, dtype: str, quant: str) -> dict:
+    """Each CPU kernel this backend would use: built (with which flags), or why not, or not needed."""
+    from mvllm.engine import cpu_fused, cpu_kernels
+
+    out = {}
+    if spec.fused and dtype == "float32" and quant == "none":
+        out["fused"] = kernel_state(cpu_fused)
+    else:
+        out["fused"] = {"used": False, "why": "fused=off" if not spec.fused else f"not used by {dtype} {quant}"}
+    if quant == "int8w":
+        out["int8"] = kernel_state(cpu_kernels)
+    else:
+        out["int8"] = {"used": False, "why": "needs AVX-512 to be the default" if not machine.avx512()
+                       else f"not used by quant={quant}"}
+    return out
+
+
+def kernel_state(module) -> dict:
+    ok = module.available()
+    info = module.build_info() if hasattr(module, "build_info") else {}
+    state = {"used": ok, **info}
+    if not ok:
+        state["why"] = (module.why_unavailable.splitlines() or ["unknown"])[0]
+    return state
+
+
+def backend_facts(spec: BackendSpec) -> dict:
+    """The mode, threads and kernels `serve` would give this backend (after share_cores)."""
+    if spec.remote:
+        return {"device": spec.device, "remote": True, "max_active": spec.max_active}
+    config = spec.engine_config("-")
+    config.validate()
+    device = torch.device(config.device)
+    dtype = config.dtype or {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}[device.type]
+    facts = {"device": spec.device, "dtype": dtype, "quant": config.quant, "threads": spec.threads,
+             "max_active": spec.max_active, "overlap": config.overlap}
+    if device.type == "cpu":
+        facts["picked"] = config.picked
+        facts["kernels"] = kernels(spec, dtype, config.quant)
+    else:
+        from mvllm.engine.sampler import supports_float64
+        from mvllm.model import table_attention
+
+        facts["graphs"] = spec.graphs and device.type == "cuda"
+        facts["compiled"] = spec.compile and table_attention.available(device)
+        facts["sampling"] = "float64 CDF" if supports_float64(device) else "float32 CDF (no float64 here)"
+    return facts
+
+
+def collect(backends: str) -> dict:
+    specs = parse_backends(backends)
+    share_cores(specs)
+    return {"platform": platform.platform(), "python": platform.python_version(), "build": machine.build_facts(),
+            "compute_cores": machine.compute_cores()[1], "devices": devices(), "backends_spec": backends,
+            "backends": {s.name: backend_facts(s) for s in specs}}
+
+
+def render(facts: dict) -> str:
+    b = facts["build"]
+    yes = {True: "yes", False: "no"}
+    lines = [f"platform      {facts['platform']} (python {facts['python']})",
+             f"torch         {b['torch']}: oneDNN {yes[b['onednn']]} (native bf16 {yes[b['onednn_bf16']]}), "
+             f"OpenMP {yes[b['openmp']]}, CPU kernels {b['cpu_capability']}, CUDA {b['cuda'] or 'no'}, "
+             f"MPS {yes[b['mps']]}",
+             f"cores         {facts['compute_cores']} to compute on"]
+    lines += [f"device        {name}: {what}" for name, what in facts["devices"].items()]
+    lines.append(f"backends      {facts['backends_spec']}")
+    for name, f in facts["backends"].items():
+        if f.get("remote"):
+            lines.append(f"  {name:<10}  {f['device']}: a remote server, measured over HTTP")
+            continue
+        mode = f"{f['dtype']}" + ("" if f["quant"] == "none" else f" {f['quant']}")
+        head = f"  {name:<10}  {f['device']}: {mode}, {f['threads']} thread(s), max_active {f['max_active']}"
+        lines.append(head + (f", overlap {'on' if f['overlap'] else 'off'}"))
+        if "picked" in f:
+            lines.append(f"  {'':<10}  mode: {f['picked']}")
+            for kernel, k in f["kernels"].items():
+                lines.append(f"  {'':<10}  {kernel}: {describe_kernel(k)}")
+        else:
+            lines.append(f"  {'':<10}  graphs {yes[f['graphs']]}, compiled {yes[f['compiled']]}, "
+                         f"sampling {f['sampling']}")
+    return "\n".join(lines)
+
+
+def describe_kernel(k: dict) -> str:
+    if k["used"]:
+        flags = " ".join(k.get("flags", []))
+        omp = "" if "openmp" not in k else (", OpenMP" if k["openmp"] else ", no OpenMP: one thread")
+        return f"built{' with ' + flags if flags else ''}{omp}"
+    return f"not used ({k['why']})"

@@ -1,0 +1,113 @@
+"""What this machine and its torch build can run: platform, cores to compute on, oneDNN, OpenMP.
+
+Every check here is a plain query that cannot raise, whatever the build: PyTorch's macOS arm64 wheel has no
+oneDNN (so no `torch.ops.mkldnn._is_mkldnn_bf16_supported`). The rest of mvllm asks here instead of probing
+torch itself, so the tests can stand in for a Mac by patching this module.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+import torch
+
+
+def system() -> str:
+    """'linux', 'darwin' or 'windows'."""
+    return platform.system().lower()
+
+
+def arch() -> str:
+    """'x86_64', 'arm64' (Apple), 'aarch64' (Linux ARM)..."""
+    return platform.machine().lower()
+
+
+def apple_silicon() -> bool:
+    return system() == "darwin" and arch() == "arm64"
+
+
+def x86() -> bool:
+    return arch() in ("x86_64", "amd64")
+
+
+def sysctl(name: str) -> int | None:
+    """A macOS integer sysctl (e.g. hw.perflevel0.physicalcpu), None where there is none."""
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
+        return int(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def logical_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def compute_cores() -> tuple[int, str]:
+    """(cores a CPU backend should spread over, why). Apple silicon: its performance cores (an M2 has 4 of
+    its 8), as llama.cpp counts them; its efficiency cores would make every step wait for the slowest thread.
+    Elsewhere: the logical CPUs this process may run on."""
+    if apple_silicon():
+        perf = sysctl("hw.perflevel0.physicalcpu")
+        if perf:
+            return perf, f"{perf} performance cores (hw.perflevel0.physicalcpu)"
+    n = logical_cpus()
+    return n, f"{n} logical CPUs"
+
+
+def onednn() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_bf16() -> bool:
+    """oneDNN is in this build and this CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
+    if not onednn():
+        return False
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def openmp() -> bool:
+    """torch's own parallel backend is OpenMP (at::parallel_for spreads over threads in our kernels)."""
+    try:
+        return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_capability() -> str:
+    """torch's kernel dispatch level: AVX512, AVX2, DEFAULT (ARM: NEON/SVE builds report their own)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def avx512() -> bool:
+    return x86() and "AVX512" in cpu_capability()
+
+
+def mps() -> bool:
+    try:
+        return bool(torch.backends.mps.is_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def build_facts() -> dict:
+    """The torch build, as vLLM's collect-env reports it."""
+    return {"torch": torch.__version__, "system": system(), "arch": arch(), "onednn": onednn(),
+            "onednn_bf16": onednn_bf16(), "openmp": openmp(), "cpu_capability": cpu_capability(),
+            "cuda": torch.version.cuda, "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "mps": mps(), "compute_cores": compute_cores()[0], "logical_cpus": logical_cpus()}
