@@ -28,7 +28,7 @@ def kernels(spec: BackendSpec, dtype: str, quant: str) -> dict:
     from mvllm.engine import cpu_fused, cpu_kernels
 
     out = {}
-    if spec.fused and dtype == "float32" and quant == "none":
+    if spec.fused and dtype == "float32":  # the layer's non-matmul work, int8w included (ModelRunner.fused)
         out["fused"] = kernel_state(cpu_fused)
     else:
         out["fused"] = {"used": False, "why": "fused=off" if not spec.fused else f"not used by {dtype} {quant}"}

@@ -112,3 +112,12 @@ def test_pick_falls_back_per_machine(monkeypatch, kernel, bf16, expect):
         out = LLM("synthetic:tiny-qwen2", threads=1, num_blocks=32).generate(
             [[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 3
+
+
+def test_bfloat16_is_refused_where_it_is_not_native(monkeypatch):
+    """A CPU without native bf16 (or a build without oneDNN, as PyTorch's macOS wheel) would emulate every op."""
+    monkeypatch.setattr(quant, "packable", lambda d, t: t != torch.bfloat16)
+    with pytest.raises(InvalidRequestError, match="dtype=bfloat16 does not run on this CPU.*it runs: dtype=float32"):
+        cpu_mode("bfloat16", None)
+    with pytest.raises(InvalidRequestError, match="backend cpu: dtype=bfloat16 does not run"):
+        parse_backends("cpu=cpu/dtype=bfloat16")
