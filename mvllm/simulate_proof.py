@@ -14,13 +14,13 @@ in their own session, so they are predicted from that profile alone.
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import statistics
 from pathlib import Path
 
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import load
+from mvllm.bench.results import find_file, request_rows
 from mvllm.simulate import DRIFT, measured, run_one, scaled_steps, simulate
 
 EXPERIMENTS = ("paper-8", "paper-48", "gpu-serial", "sweep-concurrency", "sweep-hit-rate", "sweep-rate")
@@ -39,8 +39,7 @@ def with_serving(profile: dict, serving: dict | None) -> dict:
 
 def _runs(folder: Path, policy: str) -> list[list[dict]]:
     label = policy.replace(":", "-")
-    return [list(csv.DictReader((d / "requests.csv").open()))
-            for d in sorted(folder.glob(f"{label}-run*")) if (d / "requests.csv").is_file()]
+    return [request_rows(d) for d in sorted(folder.glob(f"{label}-run*")) if find_file(d, "requests.csv")]
 
 
 def serving(root: Path, name: str = CALIBRATION) -> dict:
@@ -152,7 +151,7 @@ def hit_rate_check(root: Path, serving_block: dict) -> dict:
     served = {}
     for suffix in (256, 516):
         rows = [r for d in sorted((root / "results" / name).glob(f"suffix_tokens={suffix}-gpu-only-run*"))
-                for r in [list(csv.DictReader((d / "requests.csv").open()))]]
+                for r in [request_rows(d)]]
         served[suffix] = statistics.median(x for run in rows for x in served_admissions_ms(run))
     top = max(d["batch"] for d in gpu["decode"] if d["batch"] <= exp.max_active)
     step = next(d["step_ms"] for d in gpu["decode"] if d["batch"] == top)
@@ -184,7 +183,7 @@ def drift_check(root: Path, name: str, serving_block: dict | None) -> dict:
             sim: list = []
             run_one(point, policy, profile, vocab, sim)
             for folder in sorted((root / "results" / name).glob(f"{prefix}{policy.replace(':', '-')}-run*")):
-                rows = [r for r in csv.DictReader((folder / "requests.csv").open()) if not r["error"]]
+                rows = [r for r in request_rows(folder) if not r["error"]]
                 ratios = {}
                 for backend in {r["backend"] for r in rows}:
                     real = [float(r["tpot_ms"]) for r in rows if r["backend"] == backend and r["tpot_ms"]]

@@ -174,7 +174,7 @@ def test_smoke_experiment_end_to_end(tmp_path):
         assert set(s["warm_cached_tokens"]) == {"gpu", "cpu"}
         routing = (folder / "routing.jsonl").read_text().splitlines()
         assert len(routing) == exp.workload.requests
-        env = read_json(folder / "env.json")
+        env = s["environment"]
         assert env["torch"] and env["cpu"] and "bench" in env["command"]
         assert (folder / "server.log").is_file()
         if s["policy"] == "gpu-only":

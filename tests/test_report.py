@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from mvllm.bench.env import describe
 from mvllm.bench.metrics import RequestRecord, summarize
-from mvllm.bench.results import ResultsError, run_id, write_aggregate, write_json, write_requests
+from mvllm.bench.results import (
+    ResultsError,
+    request_rows,
+    run_id,
+    write_aggregate,
+    write_json,
+    write_requests,
+)
 from mvllm.report import report, report_all
+from mvllm.report.load import load
 
 ROOT = Path(__file__).resolve().parents[1]
 START = 1_800_000_000.0
@@ -126,6 +136,43 @@ def test_report_all_does_every_experiment(tmp_path):
     assert (tmp_path / "plain" / "report" / "summary.md") in written
     assert (tmp_path / "sweep" / "report" / "sweep.png") in written
     assert not (tmp_path / "empty" / "report").exists()
+
+
+def test_report_all_finds_experiments_a_level_down(tmp_path):
+    """results/compiled-gpu/<name>/ is an experiment too; an experiment's own simulated/ is not searched."""
+    nested = experiment(tmp_path / "compiled-gpu")
+    fake_run(nested / "simulated", "gpu-only", 1)
+    written = report_all(root=tmp_path)
+    assert (nested / "report" / "summary.md") in written
+    assert not (nested / "simulated" / "report").exists()
+    assert (tmp_path / "charts" / "compiled-gpu" / "plain" / "summary.md") in report_all(root=tmp_path,
+                                                                                         out=tmp_path / "charts")
+
+
+def test_gzipped_run_files_load_the_same(tmp_path):
+    """A results folder whose requests.csv and routing.jsonl are gzipped (experiments/compress_results.py, as
+    committed) loads to the same Results and draws the same summary as the plain one bench writes."""
+    plain = experiment(tmp_path / "a")
+    packed = tmp_path / "b" / plain.name
+    shutil.copytree(plain, packed)
+    compress = [sys.executable, str(ROOT / "experiments" / "compress_results.py"), str(packed)]
+    subprocess.run(compress, check=True, capture_output=True, timeout=120)
+    assert not list(packed.glob("*/requests.csv")) and not list(packed.glob("*/routing.jsonl"))
+    gz = sorted(packed.glob("*/*.gz"))
+    assert {p.name for p in gz} == {"requests.csv.gz", "routing.jsonl.gz"} and len(gz) == 12
+    before = {p: p.read_bytes() for p in gz}
+    again = subprocess.run(compress, check=True, capture_output=True, text=True, timeout=120)
+    assert "compressed 0 files" in again.stdout and {p: p.read_bytes() for p in gz} == before  # deterministic
+    a, b = load(plain), load(packed)
+    assert len(a.runs) == len(b.runs) == 6
+    for x, y in zip(a.runs, b.runs):
+        assert x.summary == y.summary and x.env == y.env
+        pd.testing.assert_frame_equal(x.requests, y.requests)
+        assert x.routing == y.routing and len(y.routing) == 8  # the line cut short is still dropped
+        assert request_rows(plain / x.summary["run_id"]) == request_rows(packed / y.summary["run_id"])
+    report(plain)
+    report(packed)
+    assert (packed / "report" / "summary.md").read_text() == (plain / "report" / "summary.md").read_text()
 
 
 def test_no_runs_is_one_clear_error(tmp_path):

@@ -1,17 +1,22 @@
 """Run folders on disk and the aggregate over runs.
 
     results/<experiment>/experiment.toml           the experiment as given (plus experiment.json, resolved)
-    results/<experiment>/<run-id>/summary.json     run metadata + vLLM-named metrics
+    results/<experiment>/<run-id>/summary.json     run metadata + vLLM-named metrics, and under "environment"
+                                                   the devices, CPU, versions, git commit, command line
     results/<experiment>/<run-id>/requests.csv     one row per request
     results/<experiment>/<run-id>/routing.jsonl    the server's routing log (managed runs)
-    results/<experiment>/<run-id>/env.json         devices, CPU, versions, git commit, command line
     results/<experiment>/<run-id>/server.log       the server's own log
     results/<experiment>/aggregate.json|csv         mean and spread per policy, change against gpu-only
+
+bench writes them plain; committed results keep requests.csv and routing.jsonl (and any log of 50 KB or
+more) gzipped, as requests.csv.gz etc. (experiments/compress_results.py); the readers take either (`find_file`).
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
 import math
 import re
@@ -56,6 +61,30 @@ def _num(x) -> str:
     return "" if x is None else repr(x)
 
 
+def find_file(folder: Path, name: str) -> Path | None:
+    """folder/name, or its gzipped copy folder/name.gz where only that is there; None where neither is."""
+    for p in (folder / name, folder / f"{name}.gz"):
+        if p.is_file():
+            return p
+    return None
+
+
+def open_text(path: Path) -> io.TextIOBase:
+    """A text file, plain or gzipped (by its .gz name), opened for reading (csv-ready: newline="")."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
+
+
+def request_rows(folder: Path) -> list[dict]:
+    """One run's requests.csv (or requests.csv.gz) as csv.DictReader rows (every value a string)."""
+    path = find_file(folder, "requests.csv")
+    if path is None:
+        raise ResultsError(f"{folder} holds no requests.csv (nor requests.csv.gz)")
+    with open_text(path) as f:
+        return list(csv.DictReader(f))
+
+
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
@@ -78,7 +107,15 @@ def runs_in(folder: Path) -> list[dict]:
 
 
 def experiments_in(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*/summary.json"))) if root.is_dir() else []
+    """Every experiment folder (one holding */summary.json) under root, also those a level or more down
+    (results/compiled-gpu/paper-48); an experiment's own subfolders (simulated/) are not searched."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.is_dir():
+            out += [p] if any(p.glob("*/summary.json")) else experiments_in(p)
+    return out
 
 
 META = ("run", "value", "max_active", "start_time")

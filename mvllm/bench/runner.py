@@ -231,10 +231,10 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
                     folder = out / rid
                     shutil.rmtree(folder, ignore_errors=True)
                     folder.mkdir(parents=True)
-                    write_json(folder / "env.json", envinfo.describe(specs))
+                    env = envinfo.describe(specs)
                     label = f"[{done + 1}/{total}] {rid}"
                     s = one_run(point, policy, url, servers, folder, label, console, quiet)
-                    s.update({"run_id": rid, "run": i, "knob": knob, "value": value})
+                    s.update({"run_id": rid, "run": i, "knob": knob, "value": value, "environment": env})
                     write_json(folder / "summary.json", s)
                     done += 1
                     write_aggregate(out)

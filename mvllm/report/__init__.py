@@ -57,5 +57,5 @@ def report_all(folder: Path | None = None, out: Path | None = None, root: Path =
         raise ResultsError(f"no experiment results under {root}/; run `mvllm bench` first")
     written = []
     for f in found:
-        written += report(f, out / f.name if out else None)
+        written += report(f, out / f.relative_to(root) if out else None)
     return written

@@ -1,4 +1,5 @@
-"""Read one experiment's results folder: run summaries, per-request CSVs, routing logs, environments."""
+"""Read one experiment's results folder: run summaries, per-request CSVs, routing logs, environments (the
+per-run CSV and log plain or gzipped: requests.csv or requests.csv.gz, routing.jsonl or routing.jsonl.gz)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mvllm.bench.results import BASELINE, ResultsError, read_json, runs_in, value_order
+from mvllm.bench.results import BASELINE, ResultsError, find_file, open_text, read_json, runs_in, value_order
 from mvllm.routing.policies import split_k
 
 
@@ -73,11 +74,13 @@ class Results:
         return runs[(len(runs) - 1) // 2] if runs else None
 
 
-def _routing(path: Path) -> list[dict]:
-    if not path.is_file():
+def _routing(path: Path | None) -> list[dict]:
+    if path is None:
         return []
     out = []
-    for line in path.read_text().splitlines():
+    with open_text(path) as f:
+        text = f.read()
+    for line in text.splitlines():
         line = line.strip()
         if line:
             try:
@@ -96,13 +99,13 @@ def load(folder: Path) -> Results:
     res = Results(folder, summaries[0].get("experiment") or folder.name)
     for s in summaries:
         d: Path = s.pop("_dir")
-        csv = d / "requests.csv"
-        if not csv.is_file():
-            raise ResultsError(f"{d} has a summary.json but no requests.csv")
+        csv = find_file(d, "requests.csv")
+        if csv is None:
+            raise ResultsError(f"{d} has a summary.json but no requests.csv (nor requests.csv.gz)")
         df = pd.read_csv(csv, keep_default_na=False, na_values={c: [""] for c in
                          ("sent", "first_token", "finish", "ttft_ms", "tpot_ms", "e2el_ms", "cached_tokens")})
         df["backend"] = df["backend"].astype(str)
         df["error"] = df["error"].astype(str)
-        env = read_json(d / "env.json") if (d / "env.json").is_file() else {}
-        res.runs.append(Run(s, df, _routing(d / "routing.jsonl"), env))
+        env = s.get("environment") or (read_json(d / "env.json") if (d / "env.json").is_file() else {})
+        res.runs.append(Run(s, df, _routing(find_file(d, "routing.jsonl")), env))
     return res
