@@ -15,8 +15,8 @@ import sys
 import torch
 
 from mvllm import LLM, SamplingParams
-from mvllm.bench.env import describe
-from mvllm.profile import decode_steps
+from mvllm.env import describe
+from mvllm.profile.run import decode_steps
 
 
 def greedy(n: int) -> SamplingParams:

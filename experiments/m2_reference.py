@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from mvllm.bench.experiment import load
-from mvllm.simulate import simulate
+from mvllm.simulate.sim import simulate
 
 BRIEF = {"gpu": {"prefill": 2551.0, "decode": 293.0}, "cpu": {"prefill": 73.0, "decode": 45.0}}
 REFERENCE = {"paper-8": {"gpu-only": 11.47, "mixed": 10.35, "cpu_requests": "0, 1, 6"},

@@ -30,7 +30,7 @@ from mvllm.engine import model_runner  # noqa: E402
 from mvllm.engine.params import SamplingParams  # noqa: E402
 from mvllm.engine.sampler import sample  # noqa: E402
 from mvllm.engine.sequence import Sequence  # noqa: E402
-from mvllm.profile import decode_steps  # noqa: E402
+from mvllm.profile.run import decode_steps  # noqa: E402
 
 
 def before(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,8 +91,8 @@ def main() -> None:
     cases = {"greedy": dict(temperature=0.0), "temperature 1": dict(temperature=1.0),
              "temperature 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95)}
     from mvllm import LLM
-    from mvllm.accuracy import eval_tokens
-    from mvllm.accuracy import logits as text_logits
+    from mvllm.profile.accuracy import eval_tokens
+    from mvllm.profile.accuracy import logits as text_logits
 
     llm = LLM("smollm2-135m", device="cpu", dtype="float32")
     real = text_logits(llm.engine.model, eval_tokens(llm.engine.source)[:200], torch.device("cpu"), torch.float32)

@@ -1,4 +1,4 @@
-"""mvllm::linear (model/gpu_ops.py) against what it replaces, on the GPU, in the same run.
+"""mvllm::linear (model/triton_ops.py) against what it replaces, on the GPU, in the same run.
 
 For the QKV, O and down projections of a model's decode step and a few row counts: the microseconds of one call
 inside a CUDA graph that runs it over one weight copy per layer (so the weights come from memory, not the L2
@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from mvllm.model import gpu_ops
+from mvllm.kernels import triton_ops
 from mvllm.model.presets import PRESETS
 
 CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, split=split)
@@ -81,11 +81,11 @@ def main() -> None:
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k, device=dev, dtype=dt)
                 r = torch.randn(rows, n, device=dev, dtype=dt) if add else None
-                want = gpu_ops.reference_linear(x, w[0], None, r)
-                kernel = partial(gpu_ops._triton_linear, x, bias=None, residual=r)
+                want = triton_ops.reference_linear(x, w[0], None, r)
+                kernel = partial(triton_ops._triton_linear, x, bias=None, residual=r)
                 err = error(kernel(w[0]), want)
                 assert err < 2e-2, (model, name, rows, err)
-                row = dict(ops=timed(partial(gpu_ops.reference_linear, x, bias=None, residual=r), w),
+                row = dict(ops=timed(partial(triton_ops.reference_linear, x, bias=None, residual=r), w),
                            cublas=timed(partial(F.linear, x), w), kernel=timed(kernel, w),
                            mb=round(n * k * 2 / 1e6, 2), max_rel_err=round(err, 5))
                 row["tb_s"] = round(row["mb"] / row["kernel"], 2)
@@ -103,7 +103,7 @@ def main() -> None:
                     assert err < 2e-2, (model, name, key, err)
                 best = min(times, key=times.get)
                 out["candidates"][f"{model}/{name}"] = times
-                default = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**gpu_ops.config(4, n, k))
+                default = "n{BLOCK_N}k{BLOCK_K}s{split}".format(**triton_ops.config(4, n, k))
                 print(f"    best of {len(times)}: {best} {times[best]} µs (default {default}: "
                       f"{times.get(default)})", flush=True)
     if args.out:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from mvllm.errors import MvllmError
-from mvllm.model.loader import DEFAULT_MODEL
+from mvllm.model.presets import DEFAULT_MODEL
 
 app = typer.Typer(help="Serve a language model on CPU and GPU backends at once, and benchmark how whole "
                        "requests should be routed between them.", no_args_is_help=True,
@@ -107,7 +107,7 @@ def profile(
 ):
     """Measure each backend alone: cold and warm prefill, decode step time at every batch size, the
     prefill_rate/decode_rate the router uses, and accuracy against float32, into one JSON profile."""
-    from mvllm.profile import cli_profile
+    from mvllm.profile.run import cli_profile
 
     cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console, accuracy,
                 serving)
@@ -137,7 +137,7 @@ def serve(
                                                       "route to it again."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
-    from mvllm.backends import default_backends
+    from mvllm.backends.spec import default_backends
     from mvllm.server.serve import serve as run
 
     if shutdown_timeout < 0:
@@ -201,9 +201,9 @@ def simulate(
     from pathlib import Path
 
     from mvllm.bench import experiment as ex
-    from mvllm.profile import load_profile
-    from mvllm.simulate import find_profile, measured, table
-    from mvllm.simulate import simulate as run
+    from mvllm.routing.rates import load_profile
+    from mvllm.simulate.sim import find_profile, measured, table
+    from mvllm.simulate.sim import simulate as run
 
     if url:
         raise MvllmError("simulate cannot model an external server (--url): it has no profile of its "
@@ -213,7 +213,7 @@ def simulate(
     data = load_profile(find_profile(exp, profile))
     folder = Path(out) if out else Path("results") / exp.name / "simulated"
     if grid:
-        from mvllm.simulate_grid import grid as map_grid
+        from mvllm.simulate.grid import grid as map_grid
 
         console.print(f"wrote {map_grid(exp, data, folder)} and grid.png", highlight=False)
         return
@@ -236,7 +236,7 @@ def env(
     backend the mode it picks and why, its threads, and whether each CPU kernel built (or the first error)."""
     import json
 
-    from mvllm.backends import default_backends
+    from mvllm.backends.spec import default_backends
     from mvllm.env import collect, render
 
     with console.status("checking the machine (a first run builds the CPU kernels)"):

@@ -1,17 +1,91 @@
-"""`mvllm env`: what this machine will run, before anything is loaded (as vLLM's collect-env and llama.cpp's
+"""The environment a run was measured in (devices, CPU, library versions, git commit, command line: `describe`),
+and `mvllm env`: what this machine will run, before anything is loaded (as vLLM's collect-env and llama.cpp's
 system info): the torch build, the devices, and for each backend of a spec the mode it picks and why, its
 threads, and whether each of its kernels built (or the compiler's first error). `profile` records the same
 facts in every profile."""
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
 from mvllm import machine
-from mvllm.backends import BackendSpec, parse_backends, share_cores
-from mvllm.bench.env import cpu_name
+from mvllm.backends.spec import BackendSpec, parse_backends, share_cores
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    """HEAD (with -dirty for uncommitted changes), or MVLLM_GIT_COMMIT where the tree was copied
+    without its .git (e.g. to a GPU machine)."""
+    if os.environ.get("MVLLM_GIT_COMMIT"):
+        return os.environ["MVLLM_GIT_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    if torch.backends.mps.is_available():
+        return "Apple MPS"
+    return None
+
+
+def describe(backends: list | None = None) -> dict:
+    """`backends`: BackendSpecs, whose devices are named (cuda -> the GPU's name, cpu -> the CPU's)."""
+    import torch
+
+    cpu, gpu = cpu_name(), gpu_name()
+    env = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "git_commit": git_commit(),
+        "command": sys.argv,
+    }
+    if backends:
+        env["devices"] = {b.name: (cpu if b.device == "cpu" else gpu or b.device) for b in backends}
+    return env
+
+
+
 
 
 def devices() -> dict:
@@ -25,7 +99,7 @@ def devices() -> dict:
 
 def kernels(spec: BackendSpec, dtype: str, quant: str) -> dict:
     """Each CPU kernel this backend would use: built (with which flags), or why not, or not needed."""
-    from mvllm.engine import cpu_fused, cpu_kernels
+    from mvllm.kernels import cpu_fused, cpu_int8
 
     out = {}
     if spec.fused and dtype == "float32":  # the layer's non-matmul work, int8w included (ModelRunner.fused)
@@ -33,7 +107,7 @@ def kernels(spec: BackendSpec, dtype: str, quant: str) -> dict:
     else:
         out["fused"] = {"used": False, "why": "fused=off" if not spec.fused else f"not used by {dtype} {quant}"}
     if quant == "int8w":
-        out["int8"] = kernel_state(cpu_kernels)
+        out["int8"] = kernel_state(cpu_int8)
     else:
         out["int8"] = {"used": False, "why": "needs AVX-512 to be the default" if not machine.avx512()
                        else f"not used by quant={quant}"}
@@ -64,10 +138,10 @@ def backend_facts(spec: BackendSpec) -> dict:
         facts["kernels"] = kernels(spec, dtype, config.quant)
     else:
         from mvllm.engine.sampler import supports_float64
-        from mvllm.model import table_attention
+        from mvllm.kernels import triton_attention
 
         facts["graphs"] = spec.graphs and device.type == "cuda"
-        facts["compiled"] = spec.compile and table_attention.available(device)
+        facts["compiled"] = spec.compile and triton_attention.available(device)
         facts["sampling"] = "float64 CDF" if supports_float64(device) else "float32 CDF (no float64 here)"
     return facts
 

@@ -8,7 +8,8 @@ from mvllm.engine.engine import Engine, EngineConfig, check_budget
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence, Times
 from mvllm.errors import InvalidRequestError
-from mvllm.model.loader import DEFAULT_MODEL, load_tokenizer
+from mvllm.model.loader import load_tokenizer
+from mvllm.model.presets import DEFAULT_MODEL
 
 Prompt = str | list[int]
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-
-import torch
+from pathlib import Path
 
 
 def system() -> str:
@@ -61,6 +60,8 @@ def compute_cores() -> tuple[int, str]:
 
 
 def onednn() -> bool:
+    import torch
+
     try:
         return bool(torch.backends.mkldnn.is_available())
     except (AttributeError, RuntimeError):
@@ -69,6 +70,8 @@ def onednn() -> bool:
 
 def onednn_bf16() -> bool:
     """oneDNN is in this build and this CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
+    import torch
+
     if not onednn():
         return False
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
@@ -80,6 +83,8 @@ def onednn_bf16() -> bool:
 
 def openmp() -> bool:
     """torch's own parallel backend is OpenMP (at::parallel_for spreads over threads in our kernels)."""
+    import torch
+
     try:
         return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
     except (AttributeError, RuntimeError):
@@ -88,6 +93,8 @@ def openmp() -> bool:
 
 def cpu_capability() -> str:
     """torch's kernel dispatch level: AVX512, AVX2, DEFAULT (ARM: NEON/SVE builds report their own)."""
+    import torch
+
     try:
         return torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
@@ -99,6 +106,8 @@ def avx512() -> bool:
 
 
 def mps() -> bool:
+    import torch
+
     try:
         return bool(torch.backends.mps.is_available())
     except (AttributeError, RuntimeError):
@@ -107,7 +116,14 @@ def mps() -> bool:
 
 def build_facts() -> dict:
     """The torch build, as vLLM's collect-env reports it."""
+    import torch
+
     return {"torch": torch.__version__, "system": system(), "arch": arch(), "onednn": onednn(),
             "onednn_bf16": onednn_bf16(), "openmp": openmp(), "cpu_capability": cpu_capability(),
             "cuda": torch.version.cuda, "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
             "mps": mps(), "compute_cores": compute_cores()[0], "logical_cpus": logical_cpus()}
+
+
+def cache_dir() -> Path:
+    """Where mvllm keeps what it makes once per machine: converted GGUF models, built kernels, compile caches."""
+    return Path(os.environ.get("MVLLM_CACHE", Path.home() / ".cache" / "mvllm"))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from mvllm.bench.env import cpu_name, git_commit
 from mvllm.bench.process import ServerProcess
+from mvllm.env import cpu_name, git_commit
 
 MODEL = "synthetic:tiny-qwen2"
 REQUESTS, CONCURRENCY, PROMPTS, MAX_TOKENS = 1000, 200, 25, 32

@@ -9,12 +9,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mvllm.accuracy import KL_BOUND, MIN_TOKENS, SYNTHETIC_NOTE, Reference, compare, eval_tokens
 from mvllm.cli import app
 from mvllm.engine import quant
 from mvllm.engine.engine import EngineConfig
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import build_model, resolve
+from mvllm.profile.accuracy import KL_BOUND, MIN_TOKENS, SYNTHETIC_NOTE, Reference, compare, eval_tokens
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -67,8 +67,8 @@ def test_accuracy_of_each_cpu_mode(reference, mode):
 def test_served_path_matches_the_model_path(reference):
     """The served pass runs the engine's ModelRunner (its dispatch to graphs, compiled or fused steps); on this
     CPU it must give the logits of the same kernels called directly, and fall back where the cache is small."""
-    from mvllm.accuracy import logits, served_logits
     from mvllm.engine.engine import Engine
+    from mvllm.profile.accuracy import logits, served_logits
 
     engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_blocks=48))
     ids = reference.ids[:200]

@@ -1,4 +1,4 @@
-"""Building the C++ CPU kernels (mvllm/engine/cpu_build.py): the flag sets per platform, torch's own OpenMP on
+"""Building the C++ CPU kernels (mvllm/engine/build.py): the flag sets per platform, torch's own OpenMP on
 macOS, the compiler's first error, failures printed once and cached for every later process, no int8 build on
 a machine without AVX-512, and the sources compiling for aarch64.
 
@@ -22,7 +22,8 @@ import torch
 from conftest import libomp_standin
 
 from mvllm import machine
-from mvllm.engine import cpu_build, cpu_fused, cpu_kernels, quant
+from mvllm.engine import quant
+from mvllm.kernels import build, cpu_fused, cpu_int8
 
 REPO = Path(__file__).resolve().parents[1]
 MARCH = "clang: error: the clang compiler does not support '-march=native'"
@@ -83,10 +84,10 @@ def threads_used(namespace: str) -> int:
 
 
 def in_fresh_process(env: dict, name: str, source: Path) -> tuple[dict, str]:
-    """cpu_build.build in a new Python process: (its Build as a dict, its stderr)."""
-    code = ("import json, sys\nfrom mvllm.engine import cpu_build\n"
-            f"try:\n    b = cpu_build.build({name!r}, {str(source)!r})\n"
-            "except cpu_build.BuildError as e:\n    b = e.build\n"
+    """build.build in a new Python process: (its Build as a dict, its stderr)."""
+    code = ("import json, sys\nfrom mvllm.engine import build\n"
+            f"try:\n    b = build.build({name!r}, {str(source)!r})\n"
+            "except build.BuildError as e:\n    b = e.build\n"
             "print(json.dumps(b.as_dict()))\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
@@ -99,12 +100,12 @@ def in_fresh_process(env: dict, name: str, source: Path) -> tuple[dict, str]:
 def pretend(monkeypatch, system: str, arch: str, libomp: Path | None = None):
     monkeypatch.setattr(machine, "system", lambda: system.lower())
     monkeypatch.setattr(machine, "arch", lambda: arch)
-    monkeypatch.setattr(cpu_build, "torch_libomp", lambda: libomp)
+    monkeypatch.setattr(build, "torch_libomp", lambda: libomp)
 
 
 def test_linux_flag_sets_start_with_native_openmp(monkeypatch):
     pretend(monkeypatch, "Linux", "x86_64")
-    sets = cpu_build.flag_sets()
+    sets = build.flag_sets()
     assert [s.cflags for s in sets] == [("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"),
                                         ("-O3", "-march=native"), ("-O3",)]
     assert [s.openmp for s in sets] == [True, True, False, False]
@@ -114,22 +115,22 @@ def test_linux_flag_sets_start_with_native_openmp(monkeypatch):
 def test_mac_flag_sets_use_torchs_own_libomp(monkeypatch):
     lib = Path("/wheel/torch/lib")
     pretend(monkeypatch, "Darwin", "arm64", lib)
-    sets = cpu_build.flag_sets()
+    sets = build.flag_sets()
     assert sets[0].cflags[:3] == ("-O3", "-Xpreprocessor", "-fopenmp") and sets[0].openmp
     assert sets[0].ldflags == ("-L/wheel/torch/lib", "-lomp", "-Wl,-rpath,/wheel/torch/lib")
-    assert sets[-1] == cpu_build.FlagSet(("-O3",))
+    assert sets[-1] == build.FlagSet(("-O3",))
     assert not any("-march=native" in s.cflags or "-fopenmp" in s.ldflags for s in sets)
     # no torch libomp (an older wheel): no OpenMP set at all, rather than a second OpenMP runtime
     pretend(monkeypatch, "Darwin", "arm64", None)
-    assert cpu_build.flag_sets() == [cpu_build.FlagSet(("-O3",))]
+    assert build.flag_sets() == [build.FlagSet(("-O3",))]
     pretend(monkeypatch, "Darwin", "x86_64", lib)
-    assert [s.cflags[:2] for s in cpu_build.flag_sets()] == [("-O3", "-march=native"), ("-O3", "-Xpreprocessor"),
+    assert [s.cflags[:2] for s in build.flag_sets()] == [("-O3", "-march=native"), ("-O3", "-Xpreprocessor"),
                                                               ("-O3", "-march=native"), ("-O3",)]
 
 
 def test_torch_libomp_only_where_the_wheel_ships_it():
     lib = Path(torch.__file__).parent / "lib"
-    assert cpu_build.torch_libomp() == (lib if (lib / "libomp.dylib").exists() else None)
+    assert build.torch_libomp() == (lib if (lib / "libomp.dylib").exists() else None)
 
 
 def test_first_error_is_the_compilers_line():
@@ -140,16 +141,16 @@ def test_first_error_is_the_compilers_line():
            "In file included from /src/csrc/fused.cpp:9:\n"
            "/src/csrc/fused.cpp:12:5: error: 'foo' was not declared in this scope\n"
            "   12 |     foo();\nninja: build stopped: subcommand failed.\n")
-    assert cpu_build.first_error(log, cmd, "/src/csrc") == "fused.cpp:12:5: error: 'foo' was not declared in this scope"
-    assert cpu_build.first_error(f"Error building extension 'x': [1/2] c++ -MMD a\nFAILED: a.o\n{FOPENMP}\n"
+    assert build.first_error(log, cmd, "/src/csrc") == "fused.cpp:12:5: error: 'foo' was not declared in this scope"
+    assert build.first_error(f"Error building extension 'x': [1/2] c++ -MMD a\nFAILED: a.o\n{FOPENMP}\n"
                                  "ninja: build stopped: subcommand failed.", "c++") == FOPENMP
     # no line says error (a missing compiler): the first line that is not ninja's
-    assert cpu_build.first_error("Error building extension 'x': [1/2] nope -MMD a\nFAILED: a.o\n"
+    assert build.first_error("Error building extension 'x': [1/2] nope -MMD a\nFAILED: a.o\n"
                                  "/bin/sh: 1: nope: not found\n", "nope") == "/bin/sh: 1: nope: not found"
 
 
 def test_status_before_any_build():
-    s = cpu_build.status("mvllm_never_built")
+    s = build.status("mvllm_never_built")
     assert s["ok"] is False and s["summary"].startswith("not built yet") and s["error"] == ""
     assert set(s) >= {"name", "ok", "flags", "ldflags", "openmp", "error", "compiler", "cached", "tried", "summary"}
 
@@ -163,12 +164,12 @@ def test_apple_clang_falls_back_to_a_build_without_openmp_and_says_so(fake_clang
     process loads the cached build without compiling anything."""
     log, env = fake_clang
     source = tiny_source(tmp_path, "mvllm_test_fallback")
-    b = cpu_build.build("mvllm_test_fallback", source)
+    b = build.build("mvllm_test_fallback", source)
     assert b.ok and b.flags == ["-O3"] and b.openmp is False and b.error == "" and not b.cached
     assert [(t["flags"], t["error"]) for t in b.tried] == [
         (["-O3", "-march=native", "-fopenmp"], MARCH), (["-O3", "-fopenmp"], FOPENMP), (["-O3", "-march=native"], MARCH)]
     assert b.compiler.startswith(f"{env['CXX']}: ") and b.summary == "built with -O3 (no OpenMP: one thread)"
-    assert cpu_build.status("mvllm_test_fallback") == b.as_dict()
+    assert build.status("mvllm_test_fallback") == b.as_dict()
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"mvllm: the CPU kernel mvllm_test_fallback built without OpenMP ({FOPENMP}): one thread only, "
                    "whatever threads= says"]
@@ -191,7 +192,7 @@ def test_mac_builds_with_torchs_openmp(fake_clang, tmp_path, monkeypatch):
     if lib is None:
         pytest.skip("no libgomp to stand in for torch's libomp")
     pretend(monkeypatch, "Darwin", "arm64", lib)
-    b = cpu_build.build("mvllm_test_mac", tiny_source(tmp_path, "mvllm_test_mac"))
+    b = build.build("mvllm_test_mac", tiny_source(tmp_path, "mvllm_test_mac"))
     assert b.ok and b.openmp and b.flags[:3] == ["-O3", "-Xpreprocessor", "-fopenmp"] and b.tried == []
     assert b.ldflags == [f"-L{lib}", "-lomp", f"-Wl,-rpath,{lib}"]
     assert b.summary.startswith("built with -O3 -Xpreprocessor -fopenmp") and b.summary.endswith("(OpenMP)")
@@ -208,9 +209,9 @@ def test_failed_build_is_printed_once_and_not_retried(fake_clang, tmp_path, caps
     log, env = fake_clang
     source = tmp_path / "broken.cpp"
     source.write_text("int broken = ;\n")
-    op, why = cpu_build.attempt(lambda: cpu_build.build("mvllm_test_broken", source))
+    op, why = build.attempt(lambda: build.build("mvllm_test_broken", source))
     assert op is None
-    b = cpu_build._results["mvllm_test_broken"]
+    b = build._results["mvllm_test_broken"]
     assert not b.ok and not b.cached and b.flags == ["-O3"]
     assert b.error.startswith("broken.cpp:1:") and "error" in b.error and "\n" not in b.error
     assert why == f"broken.cpp did not build: {b.error}"
@@ -218,7 +219,7 @@ def test_failed_build_is_printed_once_and_not_retried(fake_clang, tmp_path, caps
     assert b.summary == f"not built: {b.error}"
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith(f"mvllm: the CPU kernel mvllm_test_broken did not build ({b.error}); ")
-    markers = sorted((tmp_path / "cache" / "ext").glob(f"*/{cpu_build.FAILED}"))
+    markers = sorted((tmp_path / "cache" / "ext").glob(f"*/{build.FAILED}"))
     assert len(markers) == 4 and str(markers[0].parent) in "".join(map(str, markers))
     assert {json.loads(m.read_text())["error"] for m in markers} == {MARCH, FOPENMP, b.error}
 
@@ -255,7 +256,7 @@ def test_no_int8_build_to_pick_a_mode_without_avx512(monkeypatch):
     """The int8 kernel runs by default only with AVX-512: a machine without it never builds it to decide."""
     built = []
     monkeypatch.setattr(quant, "avx512", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "available", lambda: built.append(1) or True)
+    monkeypatch.setattr(cpu_int8, "available", lambda: built.append(1) or True)
     assert quant.cpu_mode(None, None)[1] == "none"
     assert built == []
 
@@ -263,7 +264,7 @@ def test_no_int8_build_to_pick_a_mode_without_avx512(monkeypatch):
 # ---- the sources compile for aarch64 (Apple silicon, Linux ARM) ----
 
 CROSS = shutil.which("aarch64-linux-gnu-g++")
-SOURCES = sorted(p.name for p in cpu_build.CSRC.glob("*.cpp"))
+SOURCES = sorted(p.name for p in build.CSRC.glob("*.cpp"))
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +283,7 @@ def aarch64_objects(tmp_path_factory):
         obj = out / f"{source}.{'omp' if openmp else 'plain'}.o"
         cmd = [CROSS, f"-DTORCH_EXTENSION_NAME=mvllm_{Path(source).stem}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                *[a for inc in includes for a in ("-isystem", inc)], "-fPIC", "-std=c++17", "-O3",
-               *(["-fopenmp"] if openmp else []), "-c", str(cpu_build.CSRC / source), "-o", str(obj)]
+               *(["-fopenmp"] if openmp else []), "-c", str(build.CSRC / source), "-o", str(obj)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         return job, (obj, r.returncode, r.stderr)
 
@@ -295,6 +296,6 @@ def aarch64_objects(tmp_path_factory):
 @pytest.mark.parametrize("source", SOURCES)
 def test_sources_compile_for_aarch64(aarch64_objects, source, openmp):
     obj, status, output = aarch64_objects[(source, openmp)]
-    assert status == 0, cpu_build.first_error(output) + "\n" + output[-3000:]
+    assert status == 0, build.first_error(output) + "\n" + output[-3000:]
     header = obj.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64

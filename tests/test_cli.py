@@ -36,8 +36,8 @@ def test_serve_policy_defaults_to_eta_with_a_profile_else_gpu_only():
 
 
 def test_serve_warns_once_per_lossy_backend_and_refuses_modes_this_machine_lacks(monkeypatch):
-    from mvllm.backends import parse_backends
-    from mvllm.engine import cpu_kernels
+    from mvllm.backends.spec import parse_backends
+    from mvllm.kernels import cpu_int8
     from mvllm.server.serve import lossy_warnings
 
     specs = parse_backends("gpu=cpu/dtype=float32,a=cpu/quant=int8-lossy,b=cpu/quant=int8-lossy")
@@ -47,8 +47,8 @@ def test_serve_warns_once_per_lossy_backend_and_refuses_modes_this_machine_lacks
                                       "gpu=cpu,cpu=cpu/quant=int8-lossy", "--policy", "mixed"])
     assert result.exit_code == 2 and "warning: backend cpu runs quant=int8-lossy" in result.output
 
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "why_unavailable", "RuntimeError: ninja not found")
+    monkeypatch.setattr(cpu_int8, "available", lambda: False)
+    monkeypatch.setattr(cpu_int8, "why_unavailable", "RuntimeError: ninja not found")
     result = CliRunner().invoke(app, ["serve", "--model", "synthetic:tiny-qwen2", "--backends",
                                       "gpu=cpu,cpu=cpu/quant=int8w"])
     assert result.exit_code == 2, result.output

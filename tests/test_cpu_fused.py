@@ -1,4 +1,4 @@
-"""The fused CPU kernels (mvllm/engine/cpu_fused.py, csrc/fused.cpp) against their pure-torch references."""
+"""The fused CPU kernels (mvllm/kernels/cpu_fused.py, csrc/fused.cpp) against their pure-torch references."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from mvllm.engine import cpu_fused
+from mvllm.kernels import cpu_fused
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(),
                                 reason=f"the fused kernels did not build here: {cpu_fused.why_unavailable[:300]}")

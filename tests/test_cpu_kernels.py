@@ -1,11 +1,11 @@
-"""The int8 weight-only CPU kernel (mvllm/engine/cpu_kernels.py) against its float32 reference."""
+"""The int8 weight-only CPU kernel (mvllm/kernels/cpu_int8.py) against its float32 reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mvllm.engine import cpu_kernels as ck
+from mvllm.kernels import cpu_int8 as ck
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from conftest import prompts
 
 from mvllm import LLM, SamplingParams
 from mvllm.engine.cuda_graphs import GraphRunner
-from mvllm.model import table_attention
+from mvllm.kernels import triton_attention
 from mvllm.model.config import ModelConfig
 from mvllm.model.decoder import Rotary, rotate
 
@@ -90,7 +90,7 @@ def table_case(device: str, dtype: torch.dtype, block_size: int = 16):
     return q, cache, tables, token_seq, key_len, block_size, d ** -0.5
 
 
-@pytest.mark.skipif(table_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
                     "ship without it); the kernel runs on the GPU machine's tests")
 def test_triton_table_kernel_matches_reference(monkeypatch):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -98,14 +98,14 @@ def test_triton_table_kernel_matches_reference(monkeypatch):
     q, cache, tables, token_seq, key_len, bs, scale = table_case("cuda" if torch.cuda.is_available() else "cpu",
                                                                  torch.float32)
     want = gathered_attention(q, cache, tables, token_seq, key_len, bs, scale)
-    packed = table_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, tables, token_seq)
-    torch.testing.assert_close(table_attention.reference(q, cache, packed, bs, scale), want, atol=2e-5, rtol=1e-4)
+    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, tables, token_seq)
+    torch.testing.assert_close(triton_attention.reference(q, cache, packed, bs, scale), want, atol=2e-5, rtol=1e-4)
     for splits in (1, 4, 16):  # one program per token, and keys split over several (decode)
-        got = table_attention._triton(q, cache, packed, bs, scale, splits)
+        got = triton_attention._triton(q, cache, packed, bs, scale, splits)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if not torch.cuda.is_available():
         return  # Triton's interpreter mishandles bf16 dots; the bf16 path is checked on the GPU
-    got = table_attention._triton(q.bfloat16(), cache.bfloat16(), packed, bs, scale).float()
+    got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, bs, scale).float()
     assert (got - want).abs().max() < 0.02  # bf16 inputs, float32 sums
 
 
@@ -132,7 +132,7 @@ def rope_case(device: str, dtype: torch.dtype):
     rot = Rotary(ModelConfig("llama", vocab_size=8, hidden_size=heads * d, intermediate_size=8, num_layers=1,
                              num_heads=heads, num_kv_heads=kv, head_dim=d, max_position=512, rope_theta=1e6)).to(device)
     slots = torch.tensor([3, 17, 18, 19, 39], device=device)
-    packed = table_attention.pack_rows(positions, slots, positions + 1, torch.zeros(1, 3, dtype=torch.long,
+    packed = triton_attention.pack_rows(positions, slots, positions + 1, torch.zeros(1, 3, dtype=torch.long,
                                        device=device), torch.zeros(t, dtype=torch.long, device=device))
     qkv = torch.randn(t, (heads + 2 * kv) * d, generator=g).to(device, dtype)
     cache = torch.zeros(2, 40, kv, d, device=device, dtype=dtype)
@@ -145,10 +145,10 @@ def rope_case(device: str, dtype: torch.dtype):
 def test_rope_store_reference_is_the_eager_rotary():
     for dtype in (torch.float32, torch.bfloat16):
         args, q, cache = rope_case("cpu", dtype)
-        assert table_attention.reference_rope_store(*args).equal(q) and args[3].equal(cache)
+        assert triton_attention.reference_rope_store(*args).equal(q) and args[3].equal(cache)
 
 
-@pytest.mark.skipif(table_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
                     "ship without it); the kernel runs on the GPU machine's tests")
 def test_triton_rope_store_matches_reference():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -158,7 +158,7 @@ def test_triton_rope_store_matches_reference():
         if dtype == torch.bfloat16 and not torch.cuda.is_available():
             continue  # Triton's interpreter and bf16: checked on the GPU
         args, q, cache = rope_case(device, dtype)
-        got = table_attention._triton_rope_store(*args)
+        got = triton_attention._triton_rope_store(*args)
         torch.testing.assert_close(got.float(), q.float(), atol=tol, rtol=tol)
         torch.testing.assert_close(args[3].float(), cache.float(), atol=tol, rtol=tol)
         assert args[3][1].equal(cache[1])  # values copied exactly
@@ -193,7 +193,7 @@ def top2_gap(llm: LLM, ids: list[int]) -> float:
 
 def test_top2_gap_reads_the_served_logits():
     """The bf16 comparison's tie check (GPU-only when it runs) reads the runner's logits: here on the CPU."""
-    from mvllm.accuracy import logits
+    from mvllm.profile.accuracy import logits
 
     llm = LLM("synthetic:tiny-qwen2", dtype="float32")
     ids = list(range(1, 40))
@@ -253,7 +253,7 @@ def test_overlap_on_the_gpu_matches_the_plain_loop():
 def test_table_layout_through_build_meta_matches_the_standard_layouts(tiny):
     """The layout profile's accuracy pass uses on the GPU, here through the op's PyTorch reference: the whole
     text at once and 4 tokens at a time over the cache."""
-    from mvllm.accuracy import logits
+    from mvllm.profile.accuracy import logits
 
     llm = LLM(str(tiny("llama")[0]), dtype="float32", fused=False)
     ids, cpu = list(range(3, 90)), torch.device("cpu")
@@ -268,7 +268,7 @@ def test_served_gpu_paths_are_accurate_on_real_weights(smollm2):
     """The compiled path in its CUDA graphs, and compile=off, measured as served (the engine's own runner)
     against float32 on SmolLM2's real weights: within the accurate bound (KL 0.0007 and 0.0008 measured on
     the H200, results/compiled-gpu/smollm2-accuracy.json)."""
-    from mvllm.accuracy import KL_BOUND, Reference
+    from mvllm.profile.accuracy import KL_BOUND, Reference
 
     reference = Reference(smollm2.engine.source)
     for compiled in (True, False):

@@ -1,4 +1,4 @@
-"""The compiled GPU layer's fewer-kernel ops (model/gpu_ops.py): norms folded into the projections give the same
+"""The compiled GPU layer's fewer-kernel ops (model/triton_ops.py): norms folded into the projections give the same
 model, and the Triton kernels match their PyTorch references (on the GPU, or on the CPU under Triton's
 interpreter where Triton is installed)."""
 
@@ -11,10 +11,10 @@ import torch
 from test_gpu import rope_case
 
 from mvllm import LLM
-from mvllm.accuracy import logits
-from mvllm.model import gpu_ops, table_attention
+from mvllm.kernels import triton_attention, triton_ops
+from mvllm.profile.accuracy import logits
 
-needs_triton = pytest.mark.skipif(table_attention.triton is None, reason="Triton is not installed (CPU builds "
+needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds "
                                   "of torch ship without it); the kernels run on the GPU machine's tests")
 
 
@@ -40,7 +40,7 @@ def test_folded_norms_are_the_same_model(tiny, monkeypatch):
         model, cpu, ids = llm.engine.model, torch.device("cpu"), list(range(3, 70))
         want = logits(model, ids, cpu, torch.float32, chunk=4, layout="table")
         norm = model.layers[0].input_layernorm.weight.clone()
-        gpu_ops.fold_norms(model)
+        triton_ops.fold_norms(model)
         assert all(layer.folded for layer in model.layers) and model.layers[0].input_layernorm.weight.eq(1).all()
         assert not norm.eq(1).all()  # the tiny model's norms are not ones: folding changed the weights
         for chunk in (None, 4):
@@ -58,8 +58,8 @@ def test_silu_mul_kernel_matches_reference():
         for rows, inter, hidden in ((1, 4864, 896), (5, 1536, 576), (3, 100, 40)):
             gate_up = torch.randn(rows, 2 * inter, generator=g).to(dev, dtype)
             x = (3 * torch.randn(rows, hidden, generator=g)).to(dev, dtype)
-            want = gpu_ops.reference_silu_mul(gate_up, x, 1e-6).float()
-            got = gpu_ops._triton_silu_mul(gate_up, x, 1e-6).float()
+            want = triton_ops.reference_silu_mul(gate_up, x, 1e-6).float()
+            got = triton_ops._triton_silu_mul(gate_up, x, 1e-6).float()
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
@@ -76,13 +76,13 @@ def test_linear_kernel_matches_reference():
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dtype)
             b = torch.randn(n, generator=g).to(dev, dtype) if bias else None
             res = torch.randn(rows, n, generator=g).to(dev, dtype)
-            want = gpu_ops.reference_linear(x, w, b, res).float()
+            want = triton_ops.reference_linear(x, w, b, res).float()
             for _ in range(2):
-                got = gpu_ops._triton_linear(x, w, b, res).float()
+                got = triton_ops._triton_linear(x, w, b, res).float()
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-            alone = gpu_ops._triton_linear(x, w, b).float()  # no residual: the QKV projection
-            torch.testing.assert_close(alone, gpu_ops.reference_linear(x, w, b).float(), atol=tol, rtol=tol)
-    assert gpu_ops.config(4, 896, 4864)["split"] == 8 and gpu_ops.config(4, 896, 896)["split"] == 1
+            alone = triton_ops._triton_linear(x, w, b).float()  # no residual: the QKV projection
+            torch.testing.assert_close(alone, triton_ops.reference_linear(x, w, b).float(), atol=tol, rtol=tol)
+    assert triton_ops.config(4, 896, 4864)["split"] == 8 and triton_ops.config(4, 896, 896)["split"] == 1
 
 
 @needs_triton
@@ -95,8 +95,8 @@ def test_rope_store_kernel_scales_and_adds_the_bias():
         x = (2 * torch.randn(qkv.shape[0], 896, generator=g)).to(dev, dtype)
         bias = torch.randn(qkv.shape[1], generator=g).to(dev, dtype)
         want_cache = cache.clone()
-        want = table_attention.reference_rope_store(qkv, cos, sin, want_cache, packed, heads, kv, bias, x, 1e-6)
-        got = table_attention._triton_rope_store(qkv, cos, sin, cache, packed, heads, kv, bias, x, 1e-6)
+        want = triton_attention.reference_rope_store(qkv, cos, sin, want_cache, packed, heads, kv, bias, x, 1e-6)
+        got = triton_attention._triton_rope_store(qkv, cos, sin, cache, packed, heads, kv, bias, x, 1e-6)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         torch.testing.assert_close(cache.float(), want_cache.float(), atol=tol, rtol=tol)
 
@@ -120,5 +120,5 @@ def test_argmax_kernel_is_torch_argmax():
             want = torch.argmax(x.cpu().float(), dim=-1)
             for _ in range(2):
                 out = torch.full((rows,), -1, dtype=torch.long, device=dev)
-                gpu_ops._triton_argmax(x, out)
+                triton_ops._triton_argmax(x, out)
                 assert out.cpu().tolist() == want.tolist(), (rows, vocab, dtype)

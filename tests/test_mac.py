@@ -17,7 +17,7 @@ import pytest
 from conftest import MAC, libomp_standin
 
 from mvllm.bench.process import ServerProcess
-from mvllm.model.loader import cache_dir
+from mvllm.machine import cache_dir
 
 TINY = "synthetic:tiny-qwen2"
 

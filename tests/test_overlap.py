@@ -146,7 +146,7 @@ def test_a_server_with_overlap_answers_as_without_and_returns_every_block(tmp_pa
 def test_overlap_is_on_by_default_on_cuda_only():
     """Left out, overlap follows the device: on for CUDA (checked on the GPU by test_gpu.py), off here; a spec's
     overlap=off or on is kept."""
-    from mvllm.backends import parse_backends
+    from mvllm.backends.spec import parse_backends
     from mvllm.engine.engine import EngineConfig
 
     cfg = EngineConfig(model="x", device="cpu")

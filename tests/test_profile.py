@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from mvllm.cli import app
 from mvllm.errors import MvllmError
-from mvllm.profile import load_profile, run_profile
+from mvllm.profile.run import run_profile
+from mvllm.routing.rates import load_profile
 
 runner = CliRunner()
 TINY = "synthetic:tiny-qwen2"
@@ -87,8 +88,8 @@ def test_serving_overheads_measured_through_the_server(tmp_path):
 
 
 def test_serving_roles():
-    from mvllm.backends import parse_backends
-    from mvllm.profile_serving import roles, served_backends
+    from mvllm.backends.spec import parse_backends
+    from mvllm.profile.serving import roles, served_backends
 
     assert roles(["cpu", "gpu"]) == {"cpu": "cpu", "gpu": "gpu"}
     assert roles(["fast", "cpu", "slow"]) == {"fast": "gpu", "cpu": "cpu", "slow": "slow"}
@@ -140,7 +141,7 @@ def test_bad_backend_specs_fail_before_loading(monkeypatch, spec, words):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("mvllm.profile.Engine", no_load)
+    monkeypatch.setattr("mvllm.profile.run.Engine", no_load)
     res = runner.invoke(app, ["profile", "--model", TINY, "--backends", spec])
     assert res.exit_code == 2
     assert words in res.output and "Traceback" not in res.output
@@ -149,7 +150,7 @@ def test_bad_backend_specs_fail_before_loading(monkeypatch, spec, words):
 
 def test_baseline_model_carries_mvllm_weights():
     from mvllm import LLM, SamplingParams
-    from mvllm.profile_baseline import hf_model
+    from mvllm.profile.baseline import hf_model
 
     prompt = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(3))
     hf = hf_model("synthetic:tiny-llama", "cpu", torch.float32, "none")
@@ -166,7 +167,7 @@ def test_profile_measures_each_backend_with_the_threads_serve_gives_it(monkeypat
     count (a GPU worker keeps one); profile applies the same split, or it would promise the speed of all the
     cores to each backend."""
     from mvllm import machine
-    from mvllm.backends import parse_backends, share_cores
+    from mvllm.backends.spec import parse_backends, share_cores
 
     monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
     specs = parse_backends("gpu=cpu,cpu=cpu,x=cpu/threads=3", check_devices=False)

@@ -8,11 +8,12 @@ import torch
 from conftest import prompts
 
 from mvllm import LLM, SamplingParams
-from mvllm.backends import parse_backends
-from mvllm.engine import cpu_kernels, quant
+from mvllm.backends.spec import parse_backends
+from mvllm.engine import quant
 from mvllm.engine.engine import EngineConfig
 from mvllm.engine.quant import Int8Linear, cpu_mode, quantize
 from mvllm.errors import InvalidRequestError
+from mvllm.kernels import cpu_int8
 from mvllm.model.attention import build_meta
 from mvllm.model.loader import build_model, resolve
 
@@ -22,7 +23,7 @@ from mvllm.model.loader import build_model, resolve
 # tiny HF model, whose large random biases make activation outliers.
 COSINE = {("int8w", "synthetic"): 0.995, ("int8w", "hf"): 0.995, ("int8-lossy", "synthetic"): 0.99,
           ("int8-lossy", "hf"): 0.9}
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the int8 kernel did not build here")
+needs_kernel = pytest.mark.skipif(not cpu_int8.available(), reason="the int8 kernel did not build here")
 
 
 def all_logits(model, ids: list[int]) -> torch.Tensor:
@@ -100,13 +101,13 @@ def test_the_pick_says_what_it_chose():
 ])
 def test_pick_falls_back_per_machine(monkeypatch, kernel, bf16, expect):
     """An ARM Mac (no AVX-512 kernel, no oneDNN bf16) gets float32; a CPU with native bf16 but no kernel, bf16."""
-    monkeypatch.setattr(cpu_kernels, "available", lambda: kernel)
+    monkeypatch.setattr(cpu_int8, "available", lambda: kernel)
     monkeypatch.setattr(quant, "avx512", lambda: kernel)
     real = quant.packable
     monkeypatch.setattr(quant, "packable", lambda d, t: bf16 if t == torch.bfloat16 else real(d, t))
     assert cpu_mode(None, None)[:2] == expect
     if not kernel:
-        monkeypatch.setattr(cpu_kernels, "why_unavailable", "RuntimeError: no compiler")
+        monkeypatch.setattr(cpu_int8, "why_unavailable", "RuntimeError: no compiler")
         with pytest.raises(InvalidRequestError, match="does not run on this machine.*no compiler.*dtype=float32"):
             cpu_mode(None, "int8w")
         out = LLM("synthetic:tiny-qwen2", threads=1, num_blocks=32).generate(

@@ -24,7 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from openai import OpenAI
 
-from mvllm.backends import parse_backends
+from mvllm.backends.relay import TextIds, load_text_ids
+from mvllm.backends.shadow import ShadowIndex
+from mvllm.backends.spec import parse_backends
 from mvllm.bench import experiment as ex
 from mvllm.bench.process import ServerProcess, free_port
 from mvllm.bench.results import read_json
@@ -34,8 +36,6 @@ from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
 from mvllm.errors import InvalidRequestError
 from mvllm.llm import Tokenizer
-from mvllm.server.relay import TextIds, load_text_ids
-from mvllm.server.shadow import ShadowIndex
 from mvllm.server.text import Detokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,7 +394,7 @@ def test_text_only_remote_is_relayed_exactly_and_ids_are_used_where_sent(text_re
 
 @needs_smollm2
 def test_a_text_only_remote_is_profiled_from_outside(text_remote):
-    from mvllm.profile import run_profile
+    from mvllm.profile.run import run_profile
 
     state, _, _ = text_remote
     state["delay"] = 0.003  # a step time: concurrent streams overlap, as on a real server

@@ -12,7 +12,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from mvllm.bench.env import describe
 from mvllm.bench.metrics import RequestRecord, summarize
 from mvllm.bench.results import (
     ResultsError,
@@ -22,6 +21,7 @@ from mvllm.bench.results import (
     write_json,
     write_requests,
 )
+from mvllm.env import describe
 from mvllm.report import report, report_all
 from mvllm.report.load import load
 

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from mvllm.backends import parse_backends
+from mvllm.backends.spec import parse_backends
 from mvllm.bench import experiment as ex
 from mvllm.bench.process import ServerProcess
 from mvllm.bench.results import read_json

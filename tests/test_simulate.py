@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from typer.testing import CliRunner
 
 from mvllm.bench.experiment import load
 from mvllm.cli import app
-from mvllm.simulate import SimulateError, measured, simulate
+from mvllm.simulate.sim import SimulateError, measured, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))  # simulate_proof: the proof script over the committed runs
 runner = CliRunner()
 
 
@@ -43,7 +45,7 @@ def test_every_committed_run_is_predicted_within_the_bars():
     p95 TTFT error within 15%. Every cell outside the first hit-rate sweep is within 15%; that sweep misses (its
     profile predates the `mixed` admission steps): priced by the mixed steps its own runs served, its gpu-only
     and eta cells come within 5%, and run again with a profile that has them, every cell is within 5%."""
-    from mvllm.simulate_proof import COMPILED, drift_check, hit_rate_check, prove, serving
+    from simulate_proof import COMPILED, drift_check, hit_rate_check, prove, serving
 
     block = serving(ROOT)
     committed = json.loads((ROOT / "results/simulate/serving.json").read_text())
@@ -123,13 +125,13 @@ def test_simulate_refuses_a_remote_server():
 def test_auto_profile_must_exist(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SimulateError, match="pass --profile"):
-        from mvllm.simulate import find_profile
+        from mvllm.simulate.sim import find_profile
 
         find_profile(load(ROOT / "experiments/paper-8.toml"), None)
 
 
 def test_grid_maps_where_the_cpu_pays(tmp_path):
-    from mvllm.simulate_grid import SPEEDS, faster_cpu, grid
+    from mvllm.simulate.grid import SPEEDS, faster_cpu, grid
 
     profile = json.loads((ROOT / "results/paper-8/profile.json").read_text())
     fast = faster_cpu(profile, 2.0)
@@ -151,7 +153,7 @@ def test_report_draws_the_committed_predictions_beside_the_runs():
     res = load_results(ROOT / "results/paper-48")
     predicted = _predicted(res)
     assert set(predicted) == {(p, None) for p in res.policies}
-    from mvllm.simulate_proof import prove
+    from simulate_proof import prove
 
     block = json.loads((ROOT / "results/simulate/serving.json").read_text())
     fresh = {c["policy"]: c["makespan"] for c in prove(ROOT, block, ["paper-48"])["experiments"]["paper-48"]["cells"]}
@@ -174,7 +176,7 @@ def first_tokens(overlap: bool, arrivals: list[tuple[float, int]], max_active: i
     """Drive one simulated backend (10 ms steps, free prefill) through requests (arrival, max_tokens)."""
     from mvllm.bench.metrics import RequestRecord
     from mvllm.routing.eta import Timing
-    from mvllm.simulate import Backend, Job
+    from mvllm.simulate.sim import Backend, Job
 
     backend, router = Backend("gpu", Timing(1e12, [0.01] * max_active, overlap=overlap)), Silent()
     jobs = [Job(RequestRecord(i, t, 20), [1] * 20, n, f"r{i}") for i, (t, n) in enumerate(arrivals)]

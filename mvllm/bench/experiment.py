@@ -194,7 +194,7 @@ def apply(exp: Experiment, knob: str, value, where: str = "experiment") -> Exper
 
 
 def _apply_backend(exp: Experiment, knob: str, value, where: str) -> Experiment:
-    from mvllm.backends import convert, default_backends, set_option
+    from mvllm.backends.spec import convert, default_backends, set_option
 
     parts = knob.split(".")
     if len(parts) != 3:
@@ -252,7 +252,7 @@ def _article(kind: str) -> str:
 def default(model: str | None = None) -> Experiment:
     """The reference workload (seed/BRIEF.md) on the default model and the default backends, one run
     per policy, rates measured by `mvllm profile` first: what `mvllm bench` does without a file."""
-    from mvllm.model.loader import DEFAULT_MODEL
+    from mvllm.model.presets import DEFAULT_MODEL
 
     return Experiment(name="default", model=model or DEFAULT_MODEL, runs=1, profile="auto",
                       profile_args=["--lengths", "128,516", "--repeats", "3"],

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from mvllm.backends import default_backends, parse_backends, set_option
-from mvllm.bench import env as envinfo
+from mvllm import env as envinfo
+from mvllm.backends.spec import default_backends, parse_backends, set_option
 from mvllm.bench.client import replay, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
 from mvllm.bench.experiment import Experiment, ExperimentError, check_policy
@@ -74,7 +74,7 @@ def find_profile(exp: Experiment, out: Path, console: Console) -> Path | None:
     for base in (Path.cwd(), exp.path.parent if exp.path else Path.cwd()):
         path = (base / exp.profile).resolve()
         if path.is_file():
-            from mvllm.profile import load_profile
+            from mvllm.routing.rates import load_profile
 
             load_profile(path)
             return path

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from mvllm.engine.sequence import Sequence
+from mvllm.kernels.triton_ops import argmax, fold_norms
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
-from mvllm.model.gpu_ops import argmax, fold_norms
 
 TOKEN_BUCKETS = (8, 16, 32, 64)
 HEAD_ROWS = TOKEN_BUCKETS[-1]  # steps up to this many tokens run the LM head (and argmax) in their graph
@@ -39,7 +39,7 @@ CONTEXT_BUCKETS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)  # plain: every 
 
 def use_compile_cache() -> None:
     """Keep inductor's and Triton's caches under MVLLM_CACHE, so a second start skips code generation."""
-    from mvllm.model.loader import cache_dir
+    from mvllm.machine import cache_dir
 
     root = cache_dir()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))

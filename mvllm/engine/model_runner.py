@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mvllm.engine import cpu_fused
 from mvllm.engine.cuda_graphs import HEAD_ROWS, GraphRunner
 from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample_rows
 from mvllm.engine.scheduler import Batch
 from mvllm.engine.sequence import PENDING
-from mvllm.model import table_attention
+from mvllm.kernels import cpu_fused, triton_attention
 from mvllm.model.attention import build_meta
 from mvllm.model.decoder import Decoder
 
@@ -58,7 +57,7 @@ class ModelRunner:
         scratch = num_blocks * block_size  # one extra slot: where padded graph rows write their K/V
         shape = (2, scratch + 1, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.compiled = compiled and table_attention.available(device)
+        self.compiled = compiled and triton_attention.available(device)
         self.captured = graphs and device.type == "cuda"
         self.layout = "fused" if self.fused else "table" if self.compiled else ""
         self.graphs = None

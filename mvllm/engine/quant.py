@@ -1,14 +1,14 @@
 """CPU modes: how a CPU backend holds its weights and which kernels run them.
 
 - `int8w` (accurate): int8 weights in groups of 32 input columns, one float32 scale each, float32 activations.
-  Decode-sized batches (up to PACKED_MAX_ROWS tokens) run mvllm's int8 kernel (engine/cpu_kernels.py),
+  Decode-sized batches (up to PACKED_MAX_ROWS tokens) run mvllm's int8 kernel (engine/cpu_int8.py),
   which reads each weight byte once per step: a quarter of float32's bytes. Prefill-sized batches run
   oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16).
 - `none` with dtype bfloat16 or float32: every Linear keeps its weight in oneDNN's blocked layout where that
   works (x86), else plain F.linear.
 - `int8-lossy`: PyTorch's dynamic int8 Linear. Activations are quantized per call with one scale per
   tensor, and on SmolLM2-135M (real weights) it changes most answers: mean KL 1.0 nats/token against
-  float32 (mvllm/accuracy.py). Only behind this explicit name; `serve` warns when a backend runs it.
+  float32 (mvllm/profile/accuracy.py). Only behind this explicit name; `serve` warns when a backend runs it.
 
 `cpu_mode` picks the mode of a CPU backend whose settings leave it open, per machine: int8w where the int8
 kernel builds with AVX-512, else bfloat16 where oneDNN has native bf16 (x86 with AVX-512 BF16 or AMX),
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from mvllm import machine
-from mvllm.engine import cpu_kernels
 from mvllm.errors import InvalidRequestError
+from mvllm.kernels import cpu_int8
 from mvllm.model.decoder import Decoder
 
 QUANTS = ("none", "int8w", "int8-lossy")
@@ -36,23 +36,23 @@ CPU = torch.device("cpu")
 
 
 class Int8Linear(nn.Module):
-    """int8w: int8 weights in groups of cpu_kernels.GROUP, float32 activations in and out."""
+    """int8w: int8 weights in groups of cpu_int8.GROUP, float32 activations in and out."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        q, scales = cpu_kernels.quantize_weight(linear.weight.detach().float())
+        q, scales = cpu_int8.quantize_weight(linear.weight.detach().float())
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
-        self.gemm = dense(cpu_kernels.dequantize(q, scales).to(wide), self.bias)
+        self.gemm = dense(cpu_int8.dequantize(q, scales).to(wide), self.bias)
         self.wide = wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= PACKED_MAX_ROWS:
-            y = cpu_kernels.int8_linear(rows, self.q, self.scales, self.bias, check=False)
+            y = cpu_int8.int8_linear(rows, self.q, self.scales, self.bias, check=False)
         else:
             y = self.gemm(rows.to(self.wide)).float()
         return y.view(*x.shape[:-1], self.out_features)
@@ -122,8 +122,8 @@ def cpu_modes() -> dict[str, str]:
     modes = {"dtype=float32": "float32 weights and activations"}
     if packable(CPU, torch.bfloat16):
         modes["dtype=bfloat16"] = "bfloat16 weights and activations, oneDNN with native bf16"
-    if cpu_kernels.available():
-        modes["quant=int8w"] = f"int8 weights in groups of {cpu_kernels.GROUP}, float32 activations"
+    if cpu_int8.available():
+        modes["quant=int8w"] = f"int8 weights in groups of {cpu_int8.GROUP}, float32 activations"
     if torch.backends.quantized.supported_engines != ["none"]:
         modes["quant=int8-lossy"] = "dynamic int8 activations per tensor: changes answers"
     return modes
@@ -141,7 +141,7 @@ def cpu_mode(dtype: str | None, quant: str | None) -> tuple[str, str, str]:
         if dtype not in (None, "float32"):
             raise InvalidRequestError(f"quant={quant} runs with float32 activations only", "quant")
         if f"quant={quant}" not in cpu_modes():
-            why = cpu_kernels.why_unavailable.splitlines()[0] if quant == "int8w" else "no quantized engine"
+            why = cpu_int8.why_unavailable.splitlines()[0] if quant == "int8w" else "no quantized engine"
             raise InvalidRequestError(f"quant={quant} does not run on this machine ({why}); it runs: "
                                       f"{', '.join(cpu_modes())}", "quant")
         return "float32", quant, "as asked"
@@ -151,7 +151,7 @@ def cpu_mode(dtype: str | None, quant: str | None) -> tuple[str, str, str]:
                                   f"slower than float32); it runs: {', '.join(cpu_modes())}", "dtype")
     if dtype is not None or quant == "none":
         return dtype or "float32", "none", "as asked"
-    if avx512() and cpu_kernels.available():
+    if avx512() and cpu_int8.available():
         return "float32", "int8w", "picked: the int8 kernel built with AVX-512 here"
     if packable(CPU, torch.bfloat16):
         return "bfloat16", "none", "picked: oneDNN has native bf16 here (no AVX-512 int8 kernel)"
@@ -174,7 +174,7 @@ def _untie(model: Decoder) -> None:
 
 def _swap(module: nn.Module) -> None:
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear) and child.in_features % cpu_kernels.GROUP == 0:
+        if isinstance(child, nn.Linear) and child.in_features % cpu_int8.GROUP == 0:
             setattr(module, name, Int8Linear(child))
         else:
             _swap(child)

@@ -9,7 +9,7 @@ query reads. These layouts share one entry point:
 - "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq];
 - "fused": the CPU float32 kernels (model/fused.py): each token reads its keys from the paged cache;
 - "table": the same per-token layout for the GPU's compiled path; the decoder calls its two ops itself
-  (rotary with the cache write, then attention: model/table_attention.py).
+  (rotary with the cache write, then attention: model/triton_attention.py).
 On CPU, "rows" and "paged" read whole blocks (`block_index`, one contiguous copy per block) instead of
 gathering slot by slot, which costs 2-3x more there.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mvllm.model import table_attention  # registers mvllm::rope_store and mvllm::table_attention
+from mvllm.kernels import triton_attention  # registers mvllm::rope_store and mvllm::triton_attention
 
 
 @dataclass(slots=True)
@@ -60,7 +60,7 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
         token_seq = torch.arange(len(counts)).repeat_interleave(counts)
         key_len = (starts.unsqueeze(1) + new + 1)[valid]
         if layout == "table":
-            packed = table_attention.pack_rows(key_len - 1, slot_mapping, key_len, tables, token_seq)
+            packed = triton_attention.pack_rows(key_len - 1, slot_mapping, key_len, tables, token_seq)
             return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_size=block_size,
                             packed=packed.to(**as_long))
         return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_index=tables.to(**as_long),

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mvllm.errors import UnsupportedModelError
-from mvllm.model import gpu_ops  # noqa: F401 - registers mvllm::silu_mul and mvllm::linear
+from mvllm.kernels import triton_ops  # noqa: F401 - registers mvllm::silu_mul and mvllm::linear
 from mvllm.model.attention import AttnMeta, paged_attention
 from mvllm.model.config import ModelConfig
 
@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.folded = False  # the norms' weights multiplied into qkv_proj and gate_up_proj (gpu_ops.fold_norms)
+        self.folded = False  # the norms' weights multiplied into qkv_proj and gate_up_proj (triton_ops.fold_norms)
 
     def forward(self, x, rope, cache, meta):
         if meta.layout == "table":
@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
 
     def _table(self, x, rope, cache, meta):
         """The GPU's compiled layer: rotary with the cache write (and the QKV bias) in one kernel, attention
-        through the block table in one. Folded (model/gpu_ops.py): no norm kernels, the kernels after qkv_proj
+        through the block table in one. Folded (model/triton_ops.py): no norm kernels, the kernels after qkv_proj
         and gate_up_proj scale each row by its RMSNorm rstd, the residual adds happen inside o_proj and
         down_proj, and these three take mvllm's small-row GEMM. Unfolded (any Linear, CPU-packed too): the
         norms and the rest as modules."""
@@ -153,9 +153,9 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
                 meta: AttnMeta) -> torch.Tensor:
         if meta.layout == "fused":
-            from mvllm.model import fused
+            from mvllm.model import cpu_forward
 
-            return fused.forward(self, input_ids, positions, caches, meta)
+            return cpu_forward.forward(self, input_ids, positions, caches, meta)
         x = self.embed_tokens(input_ids)
         # "table": the rotary kernel reads each token's row of the whole tables itself
         rope = (self.rotary.cos, self.rotary.sin) if meta.layout == "table" else self.rotary.at(positions, x.dtype)

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from mvllm.errors import ModelNotFoundError, UnsupportedModelError
+from mvllm.machine import cache_dir
 from mvllm.model.config import ModelConfig
 from mvllm.model.decoder import Decoder
-from mvllm.model.presets import PRESETS
+from mvllm.model.presets import DEFAULT_MODEL, PRESETS
 
-DEFAULT_MODEL = "smollm2-135m"
 SYNTHETIC_SEED = 1234
 
 
@@ -31,10 +31,6 @@ class ModelSource:
     @property
     def synthetic(self) -> bool:
         return self.path is None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MVLLM_CACHE", Path.home() / ".cache" / "mvllm"))
 
 
 def first_line(e: Exception) -> str:

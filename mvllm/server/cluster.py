@@ -9,13 +9,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from mvllm.backends import BackendSpec
+from mvllm.backends.process import ProcessBackend
+from mvllm.backends.remote import RemoteBackend
+from mvllm.backends.spec import BackendSpec
 from mvllm.engine.params import SamplingParams
-from mvllm.engine.worker import ProcessBackend
 from mvllm.errors import MvllmError
 from mvllm.routing.router import Router
 from mvllm.server.metrics import Metrics
-from mvllm.server.remote import RemoteBackend
 
 
 def make_backend(spec: BackendSpec, model: str) -> ProcessBackend | RemoteBackend:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mvllm.backends import BackendSpec, parse_backends, share_cores
+from mvllm.backends.spec import BackendSpec, parse_backends, share_cores
 from mvllm.engine.quant import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.llm import Tokenizer
 from mvllm.model.loader import load_tokenizer, resolve
+from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
 from mvllm.server.app import build_app
 from mvllm.server.cluster import Cluster
@@ -21,29 +22,10 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict] | None:
-    """Each backend's profiled rates, as it will serve: the decode table is cut at the backend's
-    max_active and its rates chosen again by the profile's rule; a table that stops short of max_active
-    is kept, and eta's timing repeats its largest batch's step time up to max_active."""
+    """Each backend's profiled rates, as it will serve (routing/rates.py)."""
     if not profile:
         return None
-    from mvllm.profile import load_profile
-
-    return rates_as_served(load_profile(profile), specs)
-
-
-def rates_as_served(profile: dict, specs: list[BackendSpec]) -> dict[str, dict]:
-    from mvllm.profile import choose_rates
-
-    rates = dict(profile["backends"])
-    for spec in specs:
-        entry = rates.get(spec.name)
-        decode = (entry or {}).get("decode") or []
-        fit = [d for d in decode if d["batch"] <= spec.max_active]
-        if not fit:
-            continue
-        entry = dict(entry, decode=fit, max_active=spec.max_active)
-        rates[spec.name] = entry | choose_rates(entry) if len(fit) < len(decode) and entry.get("prefill") else entry
-    return rates
+    return rates_as_served(load_profile(profile), {s.name: s.max_active for s in specs})
 
 
 def read_prefix(path: str | None) -> str | list[int] | None:
@@ -61,7 +43,7 @@ def read_prefix(path: str | None) -> str | list[int] | None:
 
 
 def lossy_warnings(specs: list[BackendSpec]) -> list[str]:
-    """One line per backend whose mode fails the accuracy bound (mvllm/accuracy.py)."""
+    """One line per backend whose mode fails the accuracy bound (mvllm/profile/accuracy.py)."""
     return [f"backend {s.name} runs quant={s.quant}, which changes the model's answers (mean KL 1.0 nats/token "
             "against float32 on SmolLM2; the default CPU mode is accurate)" for s in specs if s.quant in LOSSY]
 

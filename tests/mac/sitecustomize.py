@@ -33,6 +33,6 @@ if os.environ.get("MVLLM_EMULATE") == "mac":
     if os.environ.get("MVLLM_EMULATE_LIBOMP"):  # the wheel's torch/lib/libomp.dylib (conftest.libomp_standin)
         from pathlib import Path
 
-        import mvllm.engine.cpu_build
+        import mvllm.kernels.build
 
-        mvllm.engine.cpu_build.torch_libomp = lambda: Path(os.environ["MVLLM_EMULATE_LIBOMP"])
+        mvllm.kernels.build.torch_libomp = lambda: Path(os.environ["MVLLM_EMULATE_LIBOMP"])

@@ -1,5 +1,5 @@
 """The default-policy goal of issue 13, part 5, in the simulator (regenerate: .venv/bin/python
-results/simulate/policy_safety.py; writes results/simulate/policy-safety.json).
+experiments/policy_safety.py; writes results/simulate/policy-safety.json).
 
 paper-48's H200 profile with the serving overheads of serving.json, the CPU at 1x, 2x and 4x its profiled
 speed, on bursts (48 requests, 20/s) and on sustained Poisson arrivals for 30 s at 8, 12, 16 and 20 req/s
@@ -15,13 +15,14 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simulate_proof import with_serving  # noqa: E402
+
 from mvllm.bench.experiment import load  # noqa: E402
-from mvllm.simulate import simulate  # noqa: E402
-from mvllm.simulate_grid import faster_cpu  # noqa: E402
-from mvllm.simulate_proof import with_serving  # noqa: E402
+from mvllm.simulate.grid import faster_cpu  # noqa: E402
+from mvllm.simulate.sim import simulate  # noqa: E402
 
 POLICIES = ["gpu-only", "mixed", "eta", "makespan"]
 SPEEDS = (1.0, 2.0, 4.0)
@@ -75,7 +76,7 @@ def main(policies=POLICIES, cpu_error: float = 1.0) -> dict:
                                                                 for r in runs)
                 cell[policy] = changes
             cells.append(cell)
-    return {"command": ".venv/bin/python results/simulate/policy_safety.py", "profile": "results/paper-48/profile.json",
+    return {"command": ".venv/bin/python experiments/policy_safety.py", "profile": "results/paper-48/profile.json",
             "serving": "results/simulate/serving.json", "cells": cells}
 
 

@@ -2,10 +2,10 @@
 about 9 calls (norm, qkv matmul, rope_store, paged_attention, o matmul, norm, gate_up matmul, silu_mul,
 down matmul) instead of ~40 small torch ops plus a copy of the paged KV context before attention.
 
-Built on first use by engine/cpu_build.py and cached, like cpu_kernels. `available()` never raises: when the build
+Built on first use by engine/build.py and cached, like cpu_kernels. `available()` never raises: when the build
 fails it returns False and `why_unavailable` says why (one line: the compiler's first error); the wrappers then
 run the `reference_*` versions (plain torch ops, the specification of each kernel's semantics, used by the
-tests). `build_info()`: cpu_build.status("fused"), the flags it built with and whether with OpenMP (without
+tests). `build_info()`: build.status("fused"), the flags it built with and whether with OpenMP (without
 it at::parallel_for runs on one thread), or its error.
 
 Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
@@ -24,27 +24,27 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from mvllm.engine import cpu_build
+from mvllm.kernels import build
 
 why_unavailable = ""
 _ops = None
 
 
 def _load():
-    cpu_build.build("mvllm_fused", "fused.cpp")
+    build.build("mvllm_fused", "fused.cpp")
     return torch.ops.mvllm_fused
 
 
 @functools.cache
 def available() -> bool:
     global _ops, why_unavailable
-    _ops, why_unavailable = cpu_build.attempt(_load)
+    _ops, why_unavailable = build.attempt(_load)
     return _ops is not None
 
 
 def build_info() -> dict:
-    """How the kernels built in this process (cpu_build.status): builds nothing; call available() first."""
-    return cpu_build.status("fused")
+    """How the kernels built in this process (build.status): builds nothing; call available() first."""
+    return build.status("fused")
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -18,10 +18,11 @@ import time
 
 import httpx
 
-from mvllm.backends import BackendSpec
+from mvllm.backends.remote import RemoteBackend, remote_message
+from mvllm.backends.spec import BackendSpec
 from mvllm.errors import MvllmError
-from mvllm.profile import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW, Progress, Tokens, choose_rates
-from mvllm.server.remote import RemoteBackend, remote_message
+from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW, Progress, Tokens
+from mvllm.routing.rates import choose_rates
 
 
 class Remote:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from mvllm import machine
-from mvllm.engine.engine import DEFAULT_DTYPES, EngineConfig
 from mvllm.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from mvllm.engine.engine import EngineConfig
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class BackendSpec:
         return is_url(self.device)
 
     def engine_config(self, model: str, block_size: int = 16) -> EngineConfig:
+        from mvllm.engine.engine import EngineConfig
+
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
@@ -166,6 +169,9 @@ def validate(spec: BackendSpec) -> None:
     if spec.remote:
         validate_remote(spec)
         return
+    import torch
+
+    from mvllm.engine.engine import DEFAULT_DTYPES
     if spec.dtype is not None and not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
         raise InvalidRequestError(f"backend {spec.name}: unknown dtype {spec.dtype!r}", "backends")
     try:
@@ -202,6 +208,8 @@ def validate_remote(spec: BackendSpec) -> None:
 
 def default_backends() -> str:
     """A GPU backend where the machine has one, and the CPU backend; two CPU backends otherwise."""
+    import torch
+
     if torch.cuda.is_available():
         return "gpu=cuda,cpu=cpu"
     if torch.backends.mps.is_available():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mvllm.engine import cpu_fused
+from mvllm.kernels import cpu_fused
 from mvllm.model.attention import AttnMeta
 
 

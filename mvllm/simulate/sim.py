@@ -24,15 +24,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mvllm.backends import default_backends, parse_backends
+from mvllm.backends.spec import default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.metrics import RequestRecord, summarize
 from mvllm.engine.block_manager import chain_hash
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
+from mvllm.routing.rates import rates_as_served
 from mvllm.routing.router import Router
-from mvllm.server.serve import rates_as_served
 
 BLOCK = 16
 
@@ -145,9 +145,9 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     router decides by, where it differs from the one the backends run by (the model's error)."""
     text = default_backends() if exp.backends == "default" else exp.backends
     specs = parse_backends(text, exp.max_active, check_devices=False)
-    rates = rates_as_served(profile, specs)
+    rates = rates_as_served(profile, {s.name: s.max_active for s in specs})
     backends = {name: Backend(name, t) for name, t in timings(rates, [s.name for s in specs]).items()}
-    router = Router(list(backends), policy, rates_as_served(believed, specs) if believed else rates)
+    router = Router(list(backends), policy, rates_as_served(believed, {s.name: s.max_active for s in specs}) if believed else rates)
     prefix, requests = wl.build(exp.workload, vocab)
     if exp.workload.warm and prefix:
         for b in backends.values():

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from mvllm.bench.experiment import Experiment
-from mvllm.simulate import simulate
+from mvllm.simulate.sim import simulate
 
 SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0)
 INTERVALS = (0.2, 0.1, 0.05, 0.025)

@@ -21,7 +21,7 @@ from pathlib import Path
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import load
 from mvllm.bench.results import find_file, request_rows
-from mvllm.simulate import DRIFT, measured, run_one, scaled_steps, simulate
+from mvllm.simulate.sim import DRIFT, measured, run_one, scaled_steps, simulate
 
 EXPERIMENTS = ("paper-8", "paper-48", "gpu-serial", "sweep-concurrency", "sweep-hit-rate", "sweep-rate")
 COMPILED = tuple(f"compiled-gpu/{n}" for n in ("paper-8", "paper-48", "gpu-serial", "sweep-hit-rate", "sweep-rate"))

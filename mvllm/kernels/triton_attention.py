@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mvllm.engine import cpu_fused
+from mvllm.kernels import cpu_fused
 
 try:
     import triton

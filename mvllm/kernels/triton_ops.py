@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mvllm.model.table_attention import rstd, triton
+from mvllm.kernels.triton_attention import rstd, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from mvllm.model.table_attention import rstd_row
+    from mvllm.kernels.triton_attention import rstd_row
 
 SMALL_ROWS = 32  # linear: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
 

@@ -2,10 +2,10 @@
 inputs, float32 activations. The kernel (csrc/int8_linear.cpp) reads each weight byte once per call for
 all activation rows, so decode (1-8 rows) runs near memory bandwidth on 28% of float32's bytes.
 
-It is built on first use by engine/cpu_build.py and cached. `available()` never raises: when the
+It is built on first use by engine/build.py and cached. `available()` never raises: when the
 build fails it returns False and `why_unavailable` says why (one line: the compiler's first error);
 `int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
-`build_info()`: cpu_build.status("int8"), the flags it built with and whether with OpenMP, or its error.
+`build_info()`: build.status("int8"), the flags it built with and whether with OpenMP, or its error.
 
 The kernel has a portable path (no AVX-512: plain loops the compiler vectorises), so it builds on any CPU and
 explicit quant=int8w runs there; quant.cpu_mode checks avx512() before available(), so a machine without
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from mvllm.engine import cpu_build
+from mvllm.kernels import build
 
 GROUP = 32
 
@@ -46,12 +46,12 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _load():
-    cpu_build.build("mvllm_int8_linear", "int8_linear.cpp")
+    build.build("mvllm_int8_linear", "int8_linear.cpp")
     return torch.ops.mvllm_int8.int8_linear
 
 
 def _try_load():
-    return cpu_build.attempt(_load)
+    return build.attempt(_load)
 
 
 @functools.cache
@@ -62,8 +62,8 @@ def available() -> bool:
 
 
 def build_info() -> dict:
-    """How the kernel built in this process (cpu_build.status): builds nothing; call available() first."""
-    return cpu_build.status("int8")
+    """How the kernel built in this process (build.status): builds nothing; call available() first."""
+    return build.status("int8")
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

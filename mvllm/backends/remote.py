@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 import httpx
 
-from mvllm.backends import BackendSpec
+from mvllm.backends.relay import TextIds, chunk_ids, completion_body, load_text_ids, remote_message
+from mvllm.backends.shadow import ShadowIndex
+from mvllm.backends.spec import BackendSpec
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
-from mvllm.server.relay import TextIds, chunk_ids, completion_body, load_text_ids, remote_message
-from mvllm.server.shadow import ShadowIndex
 
 DEFAULT_BLOCKS = 4096  # shadow index size when the remote does not report its KV cache
 POLL_S = 1.0

@@ -1,11 +1,5 @@
-"""`mvllm profile`: each backend measured alone, written as the JSON profile the router reads.
-
-Rule for the router's rates (RULE below): prefill_rate is the cold-prefill throughput of a 516-token
-prompt (the reference prompt length; the longest measured length under it when 516 is not measured),
-since the router divides uncached prompt tokens by it; decode_rate is the aggregate decode throughput
-at full occupancy (batch = max_active) at a context near 516 + 64, since the router divides the summed
-decode budgets of all active and queued requests by it.
-"""
+"""`mvllm profile`: each backend measured alone, written as the JSON profile the router reads (its rates
+chosen by routing/rates.py's rule)."""
 
 from __future__ import annotations
 
@@ -22,23 +16,14 @@ from pathlib import Path
 import torch
 
 from mvllm import machine
-from mvllm.accuracy import SYNTHETIC_NOTE, Reference
-from mvllm.backends import BackendSpec, share_cores
-from mvllm.bench.env import cpu_name, git_commit
+from mvllm.backends.spec import BackendSpec, share_cores
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
-from mvllm.env import backend_facts
-from mvllm.errors import MvllmError
+from mvllm.env import backend_facts, cpu_name, git_commit
 from mvllm.model.loader import resolve
-
-LENGTHS = (128, 256, 516, 1024)
-REFERENCE_LEN = 516
-WARM_CACHED, WARM_NEW = 496, 20
-DECODE_PREFIX, DECODE_NEW = 560, 4  # context 564 at the first decode step, ~580 at the end
-RULE = ("prefill_rate: cold prefill tok/s of a {n}-token prompt; decode_rate: aggregate decode tok/s at "
-        "batch max_active={b}, context ~{c}")
-
-Progress = Callable[[str], None]
+from mvllm.profile.accuracy import SYNTHETIC_NOTE, Reference
+from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, LENGTHS, WARM_CACHED, WARM_NEW, Progress, Tokens
+from mvllm.routing.rates import REFERENCE_LEN, choose_rates, validate
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -61,17 +46,6 @@ def decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParam
         if len(done) == len(prompts):
             times.append(time.perf_counter() - t)
     return seqs, times
-
-
-class Tokens:
-    """Fresh random prompts: distinct, so no prompt hits another's cache by accident."""
-
-    def __init__(self, vocab: int, seed: int = 0):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.vocab = vocab
-
-    def __call__(self, n: int) -> list[int]:
-        return torch.randint(0, max(self.vocab - 1, 1), (n,), generator=self.gen).tolist()
 
 
 def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int) -> int | None:
@@ -174,17 +148,6 @@ def mixed_steps(engine: Engine, batch: int, decoding: Callable[[], list[int]], r
     return out
 
 
-def choose_rates(backend: dict) -> dict:
-    cold = [p for p in backend["prefill"] if p["kind"] == "cold"]
-    under = [p for p in cold if p["tokens"] <= REFERENCE_LEN] or cold
-    pre = max(under, key=lambda p: p["tokens"]) if under else next(p for p in backend["prefill"])
-    full = max(backend["decode"], key=lambda d: d["batch"])
-    warm = next((p for p in backend["prefill"] if p["kind"] == "warm"), None)
-    return {"prefill_rate": pre["tok_s"], "decode_rate": full["tok_s"],
-            "warm_prefill_rate": warm["tok_s"] if warm else None,
-            "rule": RULE.format(n=pre["tokens"], b=full["batch"], c=full["context"])}
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -219,7 +182,7 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
                "environment": environment(model), "backends": {}}
     for spec in specs:
         if spec.remote:  # another server: measured from outside over HTTP (profile_remote.py)
-            from mvllm.profile_remote import measure_remote
+            from mvllm.profile.remote import measure_remote
 
             profile["backends"][spec.name] = measure_remote(spec, model, source.config.vocab_size, lengths, repeats,
                                                             steps, progress)
@@ -231,7 +194,7 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if baseline == "transformers":
-            from mvllm.profile_baseline import compare, measure
+            from mvllm.profile.baseline import compare, measure
 
             progress(f"{spec.name}: transformers baseline")
             entry["baseline"] = measure(model, entry, repeats=max(repeats // 2, 2), steps=steps)
@@ -245,7 +208,7 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
 def add_serving(profile: dict, model: str, text: str, specs: list[BackendSpec], repeats: int, steps: int,
                 progress: Progress) -> dict:
     """--serving: each local backend's serving overheads, measured through `mvllm serve` (profile_serving.py)."""
-    from mvllm.profile_serving import measure_serving
+    from mvllm.profile.serving import measure_serving
 
     source = resolve(model)
     start = time.perf_counter()
@@ -255,33 +218,6 @@ def add_serving(profile: dict, model: str, text: str, specs: list[BackendSpec], 
         profile["backends"][name]["serving"] = block
     profile["serving_s"] = round(time.perf_counter() - start, 1)
     return profile
-
-
-def validate(profile, where: str) -> dict:
-    if not isinstance(profile, dict) or not isinstance(profile.get("backends"), dict) or not profile["backends"]:
-        raise MvllmError(f"{where} is not a profile: it needs a non-empty \"backends\" object")
-    for name, b in profile["backends"].items():
-        if not isinstance(b, dict):
-            raise MvllmError(f"{where}: backend {name!r} must be an object")
-        for key in ("prefill_rate", "decode_rate"):
-            rate = b.get(key)
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-                raise MvllmError(f"{where}: backend {name!r} needs a positive number {key}, got {rate!r}")
-    return profile
-
-
-def load_profile(path: str | Path) -> dict:
-    """Read and check a profile JSON; a hand-written one needs only prefill_rate/decode_rate per backend."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MvllmError(f"profile {path} does not exist; make one with `mvllm profile --out {path}`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise MvllmError(f"profile {path} cannot be read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise MvllmError(f"profile {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    return validate(data, f"profile {path}")
 
 
 def save_profile(profile: dict, path: str | Path) -> Path:
@@ -341,7 +277,7 @@ def cli_profile(model: str, backends: str | None, out: str | None, json_out: boo
     from rich.progress import Progress as Bar
     from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from mvllm.backends import default_backends, parse_backends
+    from mvllm.backends.spec import default_backends, parse_backends
     from mvllm.errors import InvalidRequestError
 
     text = backends or default_backends()

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from mvllm import machine
-from mvllm.model.loader import cache_dir
+from mvllm.machine import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 FAILED = "failed.json"

@@ -1,6 +1,6 @@
 """Regenerates results/simulate/serving.json and results/simulate/vs-measured.json (issue 13, part 2):
 
-    .venv/bin/python results/simulate/vs_measured.py
+    .venv/bin/python experiments/vs_measured.py
 
 serving.json: the serving overheads (request_ms, step_ms per backend) measured from paper-48's runs.
 vs-measured.json: every committed H200 experiment simulated from its own profile plus those overheads,
@@ -14,11 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mvllm.simulate import DRIFT, simulate  # noqa: E402
-from mvllm.simulate_proof import COMPILED, drift_check, hit_rate_check, prove, ran, serving, with_serving  # noqa: E402
+from simulate_proof import COMPILED, drift_check, hit_rate_check, prove, ran, serving, with_serving  # noqa: E402
+
+from mvllm.simulate.sim import DRIFT, simulate  # noqa: E402
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
     block = serving(ROOT)
     (out / "serving.json").write_text(json.dumps(block, indent=2) + "\n")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    data = {"command": ".venv/bin/python results/simulate/vs_measured.py", "git_commit": commit,
+    data = {"command": ".venv/bin/python experiments/vs_measured.py", "git_commit": commit,
             "serving": "results/simulate/serving.json", **prove(ROOT, block),
             "hit_rate_check": hit_rate_check(ROOT, block),
             "drift_check": {name: drift_check(ROOT, name, block) for name in COMPILED}}

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import httpx
 
-from mvllm.backends import BackendSpec, split_device
+from mvllm.backends.spec import BackendSpec, split_device
 from mvllm.bench.client import send
 from mvllm.bench.metrics import RequestRecord
 from mvllm.bench.process import ServerProcess
 from mvllm.bench.workload import Request
 from mvllm.errors import MvllmError
-from mvllm.profile import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW  # as the profile's own steps
+from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW  # as the profile's own steps
 from mvllm.routing.eta import Timing
 
 RULE = " ".join(__doc__.split("\n\n")[1].split())

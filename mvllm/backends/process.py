@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from mvllm.backends import BackendSpec
+from mvllm.backends.spec import BackendSpec
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
