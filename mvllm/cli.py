@@ -10,6 +10,12 @@ from rich.console import Console
 
 from mvllm.errors import MvllmError
 from mvllm.model.presets import DEFAULT_MODEL
+from mvllm.routing.policies import POLICIES
+
+POLICY_NAMES = ", ".join(POLICIES)
+MODEL_HELP = "Model spec (see `mvllm generate --help`)."
+BACKENDS = "NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. gpu=cuda,cpu=cpu/threads=8"
+DEFAULT_BACKENDS = "(default: a GPU if present, and the CPU)"
 
 app = typer.Typer(help="Serve a language model on CPU and GPU backends at once, and benchmark how whole "
                        "requests should be routed between them.", no_args_is_help=True,
@@ -85,11 +91,9 @@ def mode_name(engine) -> str:
 @app.command()
 @one_line_errors
 def profile(
-    model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
-    backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
-                                            "gpu=cuda,cpu=cpu/threads=8; NAME=http://HOST:PORT is another "
-                                            "OpenAI-compatible server, measured over HTTP (default: a GPU if "
-                                            "present, and the CPU)."),
+    model: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP),
+    backends: str = typer.Option(None, help=f"{BACKENDS}; NAME=http://HOST:PORT is another OpenAI-compatible "
+                                            f"server, measured over HTTP {DEFAULT_BACKENDS}."),
     out: str = typer.Option(None, help="Write the profile JSON here, e.g. results/profile/<name>.json."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout."),
     baseline: str = typer.Option(None, help="'transformers': also time plain transformers generate on the "
@@ -116,13 +120,13 @@ def profile(
 @app.command()
 @one_line_errors
 def serve(
-    model: str = typer.Option(DEFAULT_MODEL, help="Model spec (see `mvllm generate --help`)."),
-    backends: str = typer.Option(None, help="NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. "
-                                            "gpu=cuda,cpu=cpu/threads=8; NAME=http://HOST:PORT routes to another "
-                                            "OpenAI-compatible server (default: a GPU if present, and the CPU)."),
-    policy: str = typer.Option(None, help="mixed (the brief's cost score), eta (predicted finish time), makespan, "
-                                           "gpu-only, cpu-only, round-robin or split:K (default: eta with "
-                                           "--profile, else gpu-only)."),
+    model: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP),
+    backends: str = typer.Option(None, help=f"{BACKENDS}; NAME=http://HOST:PORT routes to another "
+                                            f"OpenAI-compatible server {DEFAULT_BACKENDS}."),
+    policy: str = typer.Option(None, help=f"One of {POLICY_NAMES}: mixed is the reference router's cost score, "
+                                           "eta the predicted finish time, makespan the predicted end of all "
+                                           "booked work, split:K the first K requests to the backend named cpu "
+                                           "(default: eta with --profile, else gpu-only)."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
     max_active: int = typer.Option(None, help="Most running requests per backend (default 4)."),
     host: str = typer.Option("127.0.0.1"),
@@ -152,7 +156,7 @@ def bench(
     experiment: str = typer.Argument(None, help="An experiment file (experiments/*.toml). Without one: the "
                                                 "reference workload on the default model and backends."),
     policy: str = typer.Option(None, help="Comma-separated policies to run instead of the experiment's: "
-                                          "mixed, eta, makespan, gpu-only, cpu-only, round-robin, split:K."),
+                                          f"{POLICY_NAMES}."),
     runs: int = typer.Option(None, help="Runs per policy (default: the experiment's)."),
     out: str = typer.Option(None, help="Results folder (default: results/<experiment name>)."),
     url: str = typer.Option(None, help="Benchmark this external OpenAI-compatible server instead "
@@ -183,7 +187,8 @@ def simulate(
     experiment: str = typer.Argument(..., help="An experiment file (experiments/*.toml)."),
     profile: str = typer.Option(None, help="Profile JSON to model the backends from (default: the "
                                            "experiment's; for profile = \"auto\", results/<name>/profile.json)."),
-    policy: str = typer.Option(None, help="Comma-separated policies instead of the experiment's."),
+    policy: str = typer.Option(None, help=f"Comma-separated policies instead of the experiment's: "
+                                          f"{POLICY_NAMES}."),
     out: str = typer.Option(None, help="Where each policy's summary.json goes (default: "
                                        "results/<name>/simulated)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summaries as JSON on stdout."),
@@ -202,7 +207,7 @@ def simulate(
 
     from mvllm.bench import experiment as ex
     from mvllm.routing.rates import load_profile
-    from mvllm.simulate.sim import find_profile, measured, table
+    from mvllm.simulate.sim import measured, table
     from mvllm.simulate.sim import simulate as run
 
     if url:
@@ -210,7 +215,10 @@ def simulate(
                          "backends; measure it with `mvllm bench --url`, or profile it as a remote backend")
     exp = ex.load(experiment)
     policies = [ex.check_policy(p.strip()) for p in policy.split(",") if p.strip()] if policy else exp.policies
-    data = load_profile(find_profile(exp, profile))
+    path = Path(profile) if profile else ex.find_profile(exp)  # "auto": the file bench measured, not measured here
+    if path is None:
+        raise MvllmError(f"experiment {exp.name} names no profile; pass --profile (made by `mvllm profile`)")
+    data = load_profile(path)
     folder = Path(out) if out else Path("results") / exp.name / "simulated"
     if grid:
         from mvllm.simulate.grid import grid as map_grid
@@ -229,7 +237,7 @@ def simulate(
 @app.command()
 @one_line_errors
 def env(
-    backends: str = typer.Option(None, help="The backends to explain (default: a GPU if present, and the CPU)."),
+    backends: str = typer.Option(None, help=f"The backends to explain {DEFAULT_BACKENDS}."),
     json_out: bool = typer.Option(False, "--json", help="Print the facts as JSON on stdout."),
 ):
     """Say what this machine will run: the torch build (oneDNN, OpenMP, CUDA, MPS), the devices, and for each

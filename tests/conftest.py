@@ -173,3 +173,23 @@ def libomp_standin(folder: Path) -> Path | None:
     if not (lib / "libomp.so").exists():
         (lib / "libomp.so").symlink_to(gomp)
     return lib
+
+
+def wait_for(condition, timeout: float = 60.0, interval: float = 0.1, message=None):
+    """Poll `condition()` every `interval` s until it returns something truthy, and return that; after `timeout`
+    s, check it one last time and fail (AssertionError) if it is still falsy. For waits on another process:
+    a generous deadline that only a real failure reaches, not a fixed sleep. `message` (a string, or a callable
+    called at failure) says what was awaited and what was seen."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    value = condition()
+    if value:
+        return value
+    what = message() if callable(message) else message
+    raise AssertionError(f"{what or getattr(condition, '__name__', 'condition')}: still {value!r} after {timeout:g} s")

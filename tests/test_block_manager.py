@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from mvllm.engine.block_manager import BlockManager, chain_hash
+from mvllm.engine.block_manager import BLOCK_SIZE, BlockManager, block_hashes, chain_hash
 from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
@@ -130,6 +130,18 @@ def test_shared_blocks_are_referenced_once_per_sequence():
     bm.free(b)
     assert bm.num_free == 8
     assert bm.cached_prefix_len(list(range(10))) == 8
+
+
+def test_block_hashes_is_the_chain_over_full_blocks():
+    """The one hash chain the engine, the simulator and the shadow index of a remote share."""
+    tokens = list(range(100, 150))  # 12 full blocks of 4 and 2 tokens over
+    assert list(block_hashes(tokens, BS)) == chain(tokens, BS)
+    assert list(block_hashes(tokens, BS, tokens=len(tokens) - 2)) == chain(tokens, BS)[:12]
+    assert list(block_hashes(tokens, BS, tokens=47)) == chain(tokens, BS)[:11]
+    done = chain(tokens, BS)[:5]  # a chain resumed where it stopped
+    assert done + list(block_hashes(tokens, BS, start=5, parent=done[-1])) == chain(tokens, BS)
+    assert list(block_hashes(tokens)) == chain(tokens, BLOCK_SIZE)
+    assert list(block_hashes(tokens[:3], BS)) == [] and list(block_hashes([], BS, tokens=-1)) == []
 
 
 @pytest.fixture(scope="module")

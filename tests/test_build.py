@@ -85,7 +85,7 @@ def threads_used(namespace: str) -> int:
 
 def in_fresh_process(env: dict, name: str, source: Path) -> tuple[dict, str]:
     """build.build in a new Python process: (its Build as a dict, its stderr)."""
-    code = ("import json, sys\nfrom mvllm.engine import build\n"
+    code = ("import json, sys\nfrom mvllm.kernels import build\n"
             f"try:\n    b = build.build({name!r}, {str(source)!r})\n"
             "except build.BuildError as e:\n    b = e.build\n"
             "print(json.dumps(b.as_dict()))\n")

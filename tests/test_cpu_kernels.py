@@ -96,7 +96,7 @@ def test_build_failure_is_reported(monkeypatch):
 def test_missing_ninja_is_reported(monkeypatch):
     from torch.utils import cpp_extension
 
-    monkeypatch.setattr(ck.cpu_build, "ninja_on_path", lambda: None)
+    monkeypatch.setattr(ck.build, "ninja_on_path", lambda: None)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     op, reason = ck._try_load()
     assert op is None and "ninja" in reason

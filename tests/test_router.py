@@ -1,4 +1,5 @@
-"""The cost model and the policies, without processes: the worked example of seed/BRIEF.md."""
+"""The cost model and the policies, without processes: the worked example of the reference router's cost
+score (the published CPU/GPU offload experiment)."""
 
 import json
 
@@ -143,7 +144,7 @@ def test_eta_keeps_a_request_off_a_cpu_that_would_finish_it_later():
     mixed, eta = Router(["gpu", "cpu"], "mixed", H200), Router(["gpu", "cpu"], "eta", H200)
     for r in (mixed, eta):
         r.bookings["gpu"] = {b.request_id: b for b in gpu}
-    # the brief's score prices the lone CPU request at the CPU's batch-4 rate (128/131 s) and sends it there
+    # the reference score prices the lone CPU request at the CPU's batch-4 rate (128/131 s) and sends it there
     assert mixed.route("new", 516, 128, cached) == "cpu"
     # its finish-time estimate knows a lone request decodes at the batch-1 step (128 * 27.4 ms = 3.5 s),
     # later than the GPU would finish it behind its queue (~1.8 s)
@@ -198,3 +199,32 @@ def test_eta_keeps_a_request_home_unless_elsewhere_is_clearly_sooner():
     cpu.eta = 1.0 / (1 + ETA_MARGIN) - 1e-3
     assert eta.choose(["gpu", "cpu"], cands) == "cpu"  # clearly sooner: moves
     assert eta.choose(["cpu"], cands) == "cpu"  # the home backend is among the alive ones
+
+
+def test_policy_names_come_from_one_registry():
+    """POLICIES, the experiment check and make_policy agree; the router asks a policy what it needs, not its
+    name; split:K is K requests to the backend named cpu, though the class takes any two backends."""
+    from mvllm.bench.experiment import ExperimentError, check_policy
+    from mvllm.routing.policies import PARAMETRISED, POLICIES, REGISTRY, Split, is_known, make_policy
+
+    assert POLICIES == ("mixed", "eta", "makespan", "gpu-only", "cpu-only", "round-robin", "split:K")
+    for name in REGISTRY:
+        assert is_known(name) and check_policy(name) == name
+        assert make_policy(name, ["gpu", "cpu"]).name == name
+    assert set(PARAMETRISED) == {"split"} and is_known("split:0") and check_policy("split:12") == "split:12"
+    for bad in ("split:K", "split:", "split:-1", "split:x", "mixed:2", "fastest", ""):
+        assert not is_known(bad)
+        with pytest.raises(ExperimentError, match="unknown policy"):
+            check_policy(bad)
+    needs = {n: (p.needs_rates, p.needs_timing, p.needs_drain)
+             for n in ("mixed", "eta", "makespan", "gpu-only", "round-robin", "split:1")
+             for p in [make_policy(n, ["gpu", "cpu"])]}
+    assert needs == {"mixed": (True, False, False), "eta": (True, True, False), "makespan": (True, True, True),
+                     "gpu-only": (False, False, False), "round-robin": (False, False, False),
+                     "split:1": (False, False, False)}
+    split = make_policy("split:1", ["gpu", "cpu"])
+    assert (split.offload, split.home) == ("cpu", "gpu")
+    other = Split(2, offload="b", home="a")
+    assert [other.choose(["a", "b"], {}) for _ in range(4)] == ["b", "b", "a", "a"]
+    with pytest.raises(InvalidRequestError, match="needs a backend named 'cpu'"):
+        make_policy("split:1", ["a", "gpu"])

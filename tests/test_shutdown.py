@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import threading
-import time
 
 import httpx
+from conftest import wait_for
 
 from mvllm.bench.process import ServerProcess
 
@@ -30,13 +30,8 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def gone(pids: list[int], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(os.path.exists(f"/proc/{p}") and "zombie" not in _state(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
+def gone(pids: list[int]) -> bool:
+    return not any(os.path.exists(f"/proc/{p}") and "zombie" not in _state(p) for p in pids)
 
 
 def _state(pid: int) -> str:
@@ -68,7 +63,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         reader.start()
         assert started.wait(60)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)  # SIGTERM was handled
         late = httpx.post(f"{server.url}/v1/completions", timeout=10,
                           json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
@@ -78,7 +73,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         last = json.loads(chunks[-2])["choices"][0]
         assert last["finish_reason"] == "abort"
         assert server.proc.wait(30) == 0
-        assert gone(workers, 2.0)
+        wait_for(lambda: gone(workers), 60, 0.05, lambda: f"workers {workers} still running")
         log = server.log.read_text()
         assert "aborted 1 request(s)" in log and "mvllm: stopped" in log
         assert (tmp_path / "routing.jsonl").read_text().count("\n") >= 1
@@ -112,6 +107,6 @@ def test_workers_do_not_outlive_a_killed_server(tmp_path):
         assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
         server.proc.kill()
         server.proc.wait(10)
-        assert gone(workers, 2.0)
+        wait_for(lambda: gone(workers), 60, 0.05, lambda: f"workers {workers} still running")
     finally:
         server.stop()

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from mvllm.bench.experiment import load
 from mvllm.cli import app
-from mvllm.simulate.sim import SimulateError, measured, simulate
+from mvllm.simulate.sim import measured, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))  # simulate_proof: the proof script over the committed runs
@@ -39,12 +39,13 @@ def test_splits_place_exactly_and_summaries_have_benchs_keys():
 
 
 def test_every_committed_run_is_predicted_within_the_bars():
-    """Issue 13, part 2, recomputed from the committed files: every experiment from its own profile plus the
-    serving overheads measured once from paper-48's runs (results/simulate/serving.json); the compiled-GPU runs
-    from their own `--serving` profile. Over all 89 cells the median makespan error is within 5% and the median
-    p95 TTFT error within 15%. Every cell outside the first hit-rate sweep is within 15%; that sweep misses (its
-    profile predates the `mixed` admission steps): priced by the mixed steps its own runs served, its gpu-only
-    and eta cells come within 5%, and run again with a profile that has them, every cell is within 5%."""
+    """The simulator's bars (docs/routing.md), recomputed from the committed files: every experiment from its
+    own profile plus the serving overheads measured once from paper-48's runs (results/simulate/serving.json);
+    the compiled-GPU runs from their own `--serving` profile. Over all 89 cells the median makespan error is
+    within 5% and the median p95 TTFT error within 15%. Every cell outside the first hit-rate sweep is within
+    15%; that sweep misses (its profile predates the `mixed` admission steps): priced by the mixed steps its own
+    runs served, its gpu-only and eta cells come within 5%, and run again with a profile that has them, every
+    cell is within 5%."""
     from simulate_proof import COMPILED, drift_check, hit_rate_check, prove, serving
 
     block = serving(ROOT)
@@ -123,11 +124,19 @@ def test_simulate_refuses_a_remote_server():
 
 
 def test_auto_profile_must_exist(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SimulateError, match="pass --profile"):
-        from mvllm.simulate.sim import find_profile
+    """simulate measures nothing: an "auto" profile is the one bench measured into results/<name>/."""
+    from mvllm.bench.experiment import ExperimentError, find_profile
 
-        find_profile(load(ROOT / "experiments/paper-8.toml"), None)
+    monkeypatch.chdir(tmp_path)
+    exp = load(ROOT / "experiments/paper-8.toml")
+    with pytest.raises(ExperimentError, match="pass --profile"):
+        find_profile(exp)
+    (tmp_path / "results" / exp.name).mkdir(parents=True)
+    (tmp_path / "results" / exp.name / "profile.json").write_text("{}")
+    assert find_profile(exp) == Path("results") / exp.name / "profile.json"
+    assert find_profile(exp, tmp_path / "elsewhere", lambda e, path: path.parent.mkdir()) == \
+        tmp_path / "elsewhere" / "profile.json"
+    assert (tmp_path / "elsewhere").is_dir()  # bench's measure is called with the path to make
 
 
 def test_grid_maps_where_the_cpu_pays(tmp_path):

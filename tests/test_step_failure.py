@@ -1,7 +1,7 @@
 """A step that fails ends only the requests it must: one whose sampling or stop check raises ends with an
 error while the others of its batch finish with exactly the tokens they get without it; a failing forward
 ends that batch's requests, not those waiting. Every KV block comes back. In the engine (plain loop and
-overlap) and through a backend worker process, whose client gets ("error", rid, message) and whose log gets
+overlap) and through a backend worker process, whose client gets Error(rid, message) and whose log gets
 one line per failure and one traceback per distinct error."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from conftest import prompts
 
 from mvllm import SamplingParams
 from mvllm.backends import process
+from mvllm.backends.events import Error, Step
 from mvllm.backends.spec import BackendSpec
 from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.sequence import PENDING
@@ -183,9 +184,9 @@ def test_a_step_that_fails_outside_any_batch_ends_every_request(llama, capfd):
 
     eng.scheduler.schedule = broken
     process._step(eng, spec, sent.append)
-    errors = [m for m in sent if m[0] == "error"]
-    assert [m[1] for m in errors] == [s.request_id for s in seqs]
-    assert {m[2] for m in errors} == {"backend cpu failed: RuntimeError: injected scheduler fault"}
+    errors = [m for m in sent if isinstance(m, Error)]
+    assert [m.rid for m in errors] == [s.request_id for s in seqs]
+    assert {m.message for m in errors} == {"backend cpu failed: RuntimeError: injected scheduler fault"}
     assert "ended requests" in capfd.readouterr().err
     eng.scheduler.schedule = schedule
     again = eng.add_request(prompts(44, [5])[0], greedy)
@@ -211,7 +212,7 @@ def faulty_worker(spec_dict: dict, model: str, commands, events) -> None:
 
 
 def test_a_worker_sends_an_error_for_the_failing_request_only(llama, monkeypatch, capfd):
-    """Two failing requests among four: each gets ("error", rid, message) after its two tokens, the others
+    """Two failing requests among four: each gets Error(rid, message) after its two tokens, the others
     every token (the same as when served again alone), the pool ends full, and the worker's log holds one
     line per failure and a single traceback (the same error, raised at the same place)."""
     monkeypatch.setattr(process, "worker_main", faulty_worker)
@@ -228,15 +229,16 @@ def test_a_worker_sends_an_error_for_the_failing_request_only(llama, monkeypatch
             await loop.run_in_executor(None, backend.wait_ready, 180)
             tokens, ends, loads = {}, {}, []
 
-            def on_event(name, msg):
-                if msg[0] == "step":
-                    loads.append(msg[2])
-                    for rid, token, reason in msg[1]:
-                        tokens.setdefault(rid, []).append(token)
-                        if reason:
-                            ends[rid] = ("finish", reason)
-                elif msg[0] == "error":
-                    ends[msg[1]] = ("error", msg[2])
+            def on_event(name, event):
+                match event:
+                    case Step(step_tokens, load):
+                        loads.append(load)
+                        for rid, token, reason in step_tokens:
+                            tokens.setdefault(rid, []).append(token)
+                            if reason:
+                                ends[rid] = ("finish", reason)
+                    case Error(rid, message):
+                        ends[rid] = ("error", message)
 
             backend.listen(loop, on_event)
 

@@ -2,7 +2,7 @@
 
 Child side: `worker_main` owns an Engine; a control thread answers look-ups at once (cached prefix, load
 snapshot) and queues submit/abort/warm/shutdown for the engine loop, which steps while there is work and
-blocks (no busy waiting) while there is none. Parent side: `ProcessBackend`.
+blocks (no busy waiting) while there is none. Parent side: `ProcessBackend`. The messages are events.py's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,24 @@ import time
 import traceback
 from collections.abc import Callable
 
+from mvllm.backends.base import OnEvent
+from mvllm.backends.events import (
+    Abort,
+    Aborted,
+    Call,
+    Command,
+    Dead,
+    Error,
+    Failed,
+    FromWorker,
+    Method,
+    Ready,
+    Reply,
+    Scheduled,
+    Shutdown,
+    Step,
+    Submit,
+)
 from mvllm.backends.spec import BackendSpec
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
@@ -47,7 +65,7 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
     spec = BackendSpec(**spec_dict)
     lock = threading.Lock()
 
-    def send(msg) -> None:
+    def send(msg: FromWorker) -> None:
         with lock:
             events.send(msg)
 
@@ -55,66 +73,69 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
     try:
         engine = Engine(spec.engine_config(model))
     except Exception as e:  # reported to the server as one line
-        send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, MvllmError) else str(e)))
+        send(Failed(f"{type(e).__name__}: {e}" if not isinstance(e, MvllmError) else str(e)))
         return
     inbox: queue.Queue = queue.Queue()
 
     def control() -> None:
         while True:
             try:
-                msg = commands.recv()
+                cmd: Command = commands.recv()
             except (EOFError, OSError):  # the server is gone: stop too
-                inbox.put(("shutdown",))
+                inbox.put(Shutdown())
                 return
-            if msg[0] == "call" and msg[2] == "cached_prefix_len":
-                send(("reply", msg[1], engine.cached_prefix_len(msg[3])))
-            elif msg[0] == "call" and msg[2] == "snapshot":
-                send(("reply", msg[1], snapshot(engine, spec)))
-            else:
-                inbox.put(msg)
-            if msg[0] == "shutdown":
-                return
+            match cmd:
+                case Call(call_id, "cached_prefix_len", (token_ids,)):
+                    send(Reply(call_id, engine.cached_prefix_len(token_ids)))
+                case Call(call_id, "snapshot"):
+                    send(Reply(call_id, snapshot(engine, spec)))
+                case Shutdown():
+                    inbox.put(cmd)
+                    return
+                case _:  # for the engine loop, between two steps
+                    inbox.put(cmd)
 
     threading.Thread(target=control, name="control", daemon=True).start()
 
     def on_schedule(batch) -> None:  # admissions only: a decode-only step sends nothing here
         if batch.prefill:
-            send(("scheduled", [(s.request_id, s.num_cached_tokens) for s in batch.prefill]))
+            send(Scheduled([(s.request_id, s.num_cached_tokens) for s in batch.prefill]))
 
     engine.on_schedule = on_schedule
-    send(("ready", {**snapshot(engine, spec), "ready_s": round(time.perf_counter() - start, 1)}))
+    send(Ready({**snapshot(engine, spec), "ready_s": round(time.perf_counter() - start, 1)}))
     while True:
         try:
-            msg = inbox.get(block=not engine.has_unfinished())
+            cmd = inbox.get(block=not engine.has_unfinished())
             while True:
-                if msg[0] == "shutdown":
+                if isinstance(cmd, Shutdown):
                     return
-                _handle(engine, msg, send)
-                msg = inbox.get_nowait()
+                _handle(engine, spec, cmd, send)
+                cmd = inbox.get_nowait()
         except queue.Empty:
             pass
         if engine.has_unfinished():
             _step(engine, spec, send)
 
 
-def _handle(engine: Engine, msg: tuple, send: Callable) -> None:
-    kind = msg[0]
-    if kind == "submit":
-        _, rid, token_ids, params, arrival = msg
-        try:
-            engine.add_request(token_ids, SamplingParams(**params), rid, arrival)
-        except MvllmError as e:
-            send(("error", rid, str(e)))
-    elif kind == "abort":
-        if engine.abort(msg[1]) is not None:
-            send(("aborted", msg[1]))
-    elif kind == "call" and msg[2] == "reset_prefix_cache":
-        send(("reply", msg[1], engine.reset_prefix_cache()))
-    elif kind == "call" and msg[2] == "warm":
-        try:
-            send(("reply", msg[1], engine.warm(msg[3])))
-        except MvllmError as e:
-            send(("reply", msg[1], e))
+def _handle(engine: Engine, spec: BackendSpec, cmd: Submit | Abort | Call, send: Callable) -> None:
+    match cmd:
+        case Submit(rid, token_ids, params, arrival):
+            try:
+                engine.add_request(token_ids, SamplingParams(**params), rid, arrival)
+            except MvllmError as e:
+                send(Error(rid, str(e)))
+        case Abort(rid):
+            if engine.abort(rid) is not None:
+                send(Aborted(rid))
+        case Call(call_id, "reset_prefix_cache"):
+            send(Reply(call_id, engine.reset_prefix_cache()))
+        case Call(call_id, "warm", (token_ids,)):
+            try:
+                send(Reply(call_id, engine.warm(token_ids)))
+            except MvllmError as e:
+                send(Reply(call_id, e))
+        case Call(call_id, method):
+            send(Reply(call_id, MvllmError(f"backend {spec.name} has no call {method!r}")))
 
 
 _reported: set[tuple] = set()  # the errors whose traceback this worker printed
@@ -148,13 +169,13 @@ def _step(engine: Engine, spec: BackendSpec, send: Callable) -> None:
         message = _report(spec.name, e, rids)
         for rid in rids:
             engine.abort(rid)
-            send(("error", rid, message))
+            send(Error(rid, message))
         return
     if not outs:
         return
     tokens = [(o.seq.request_id, o.token, o.seq.finish_reason if o.finished else None)
               for o in outs if o.error is None]
-    send(("step", tokens, load(engine)))  # sent even with no token: the load shows the blocks freed
+    send(Step(tokens, load(engine)))  # sent even with no token: the load shows the blocks freed
     errors: dict[str, tuple[Exception, list[str]]] = {}  # one log line per distinct error of the step
     for o in outs:
         if o.error is not None:
@@ -162,11 +183,11 @@ def _step(engine: Engine, spec: BackendSpec, send: Callable) -> None:
     for error, rids in errors.values():
         message = _report(spec.name, error, rids)
         for rid in rids:
-            send(("error", rid, message))
+            send(Error(rid, message))
 
 
 class ProcessBackend:
-    """The server's handle on one backend worker process."""
+    """The server's handle on one backend worker process (a `Backend`)."""
 
     def __init__(self, spec: BackendSpec, model: str):
         ctx = mp.get_context("spawn")
@@ -189,15 +210,19 @@ class ProcessBackend:
         if not self._events.poll(timeout):
             raise MvllmError(f"backend {self.name} did not become ready within {timeout:.0f} s")
         try:
-            kind, payload = self._events.recv()
+            msg = self._events.recv()
         except EOFError:
             raise MvllmError(f"backend {self.name} exited while loading (exit code {self.process.exitcode})") from None
-        if kind != "ready":
-            raise MvllmError(f"backend {self.name} failed to start: {payload}")
-        self.alive, self.info = True, payload
+        match msg:
+            case Ready(info):
+                self.alive, self.info = True, info
+            case Failed(message):
+                raise MvllmError(f"backend {self.name} failed to start: {message}")
+            case _:
+                raise MvllmError(f"backend {self.name} failed to start: it sent {msg!r} first")
 
-    def listen(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[str, tuple], None]) -> None:
-        """Forward every event to `on_event(name, msg)` on the event loop; ("dead",) when the process ends."""
+    def listen(self, loop: asyncio.AbstractEventLoop, on_event: OnEvent) -> None:
+        """Forward every event to `on_event(name, event)` on the event loop; Dead() when the process ends."""
         self._loop = loop
 
         def read() -> None:
@@ -206,10 +231,10 @@ class ProcessBackend:
                     try:
                         msg = self._events.recv()
                     except (EOFError, OSError):
-                        loop.call_soon_threadsafe(on_event, self.name, ("dead",))
+                        loop.call_soon_threadsafe(on_event, self.name, Dead())
                         return
-                    if msg[0] == "reply":
-                        loop.call_soon_threadsafe(self._resolve, msg[1], msg[2])
+                    if isinstance(msg, Reply):
+                        loop.call_soon_threadsafe(self._resolve, msg.call_id, msg.value)
                     else:
                         loop.call_soon_threadsafe(on_event, self.name, msg)
             except RuntimeError:  # the event loop closed: the server is shutting down
@@ -224,37 +249,41 @@ class ProcessBackend:
 
     def mark_dead(self) -> None:
         self.alive = False
+        self.process.join(0)  # it has ended (its end of the pipe closed): reap it
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(MvllmError(f"backend {self.name} is down"))
         self._pending.clear()
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: Command) -> None:
         try:
             self._commands.send(msg)
         except (BrokenPipeError, OSError):
             raise MvllmError(f"backend {self.name} is down") from None
 
-    async def call(self, method: str, *args, timeout: float = 600.0):
+    async def call(self, method: Method, *args, timeout: float = 600.0):
         if not self.alive:
             raise MvllmError(f"backend {self.name} is down")
         call_id = next(self._calls)
         fut = self._loop.create_future()
         self._pending[call_id] = fut
-        self._send(("call", call_id, method, *args))
+        self._send(Call(call_id, method, args))
         return await asyncio.wait_for(fut, timeout)
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float) -> None:
         p = {f: getattr(params, f) for f in params.__slots__}
-        self._send(("submit", request_id, token_ids, p, arrival))
+        self._send(Submit(request_id, token_ids, p, arrival))
 
     def abort(self, request_id: str) -> None:
         if self.alive:
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
+
+    def health(self) -> dict:
+        return {}  # alive and restarts say it all
 
     def shutdown(self, timeout: float = 5.0) -> None:
         try:
-            self._commands.send(("shutdown",))
+            self._commands.send(Shutdown())
         except (BrokenPipeError, OSError):
             pass
         self.process.join(timeout)

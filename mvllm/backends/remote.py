@@ -1,13 +1,13 @@
 """A backend that is another OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's
-server), reached over HTTP. It is the same transport as ProcessBackend (wait_ready, listen, submit, abort,
-call, mark_dead, shutdown, and the same events), so the Cluster and the Router never know which they hold.
+server), reached over HTTP. It is a `Backend` (base.py) as ProcessBackend is, sending the same events
+(events.py), so the Cluster and the Router never know which they hold.
 
 Each request goes to the remote's /v1/completions as token ids, streamed, and every chunk's tokens are
 passed on as they arrive: the ids the remote sends (`token_ids`, or llama.cpp's `tokens`), else its text
 tokenized by the router's own tokenizer (a text-only server: llama.cpp's /v1/completions, SGLang; see
 relay.py), and /health shows which ("relay": "token_ids" or "text"). Cached prefixes come from a shadow
 index of what was sent there (shadow.py); load is the router's own bookings, and for an mvllm remote also
-the requests its /v1/backends shows that came from elsewhere ("load" events). A request that fails before
+the requests its /v1/backends shows that came from elsewhere (Load events). A request that fails before
 its first token is re-routed by the Cluster; a failure triggers a health probe, and a failed probe marks
 the remote down, to be probed again with back-off.
 """
@@ -18,13 +18,16 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
+from mvllm.backends.base import OnEvent, spawn
+from mvllm.backends.events import BackendEvent, Dead, Done, Error, Load, Lost, Method, Scheduled, Step, Up
 from mvllm.backends.relay import TextIds, chunk_ids, completion_body, load_text_ids, remote_message
 from mvllm.backends.shadow import ShadowIndex
 from mvllm.backends.spec import BackendSpec
+from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 
@@ -46,7 +49,6 @@ class RemoteBackend:
         self.spec, self.name, self.model_spec = spec, spec.name, model
         self.base = spec.device.removesuffix("/").removesuffix("/v1")
         self.model = spec.model
-        self.process = None
         self.alive = False
         self.info: dict = {}
         self.mvllm = False
@@ -63,10 +65,15 @@ class RemoteBackend:
         self.next_probe: float | None = None
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._on_event: Callable[[str, tuple], None] | None = None
+        self._on_event: OnEvent | None = None
         self._client: httpx.AsyncClient | None = None
         self._probing: asyncio.Task | None = None
-        self._background: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        # what `call` answers: at once from what is known here, or by asking the remote
+        self._answers: dict[str, Callable[..., object]] = {
+            "cached_prefix_len": self._cached_prefix_len, "snapshot": self._snapshot}
+        self._requests: dict[str, Callable[..., Awaitable[object]]] = {
+            "warm": self._warm, "reset_prefix_cache": self._reset_prefix_cache}
 
     def headers(self) -> dict[str, str]:
         env = self.spec.api_key_env
@@ -139,7 +146,7 @@ class RemoteBackend:
         self.mvllm = self.info["mvllm"] = True
         live = [r for r in rows if r.get("alive", True)]
         if self.spec.num_blocks is None:
-            self.shadow.resize(sum(int(r["num_blocks"]) for r in rows), int(rows[0].get("block_size", 16)))
+            self.shadow.resize(sum(int(r["num_blocks"]) for r in rows), int(rows[0].get("block_size", BLOCK_SIZE)))
             self.info.update(num_blocks=self.shadow.capacity, block_size=self.shadow.block_size)
         self.remote_load = {"running": sum(r.get("running", 0) for r in live),
                             "waiting": sum(r.get("waiting", 0) for r in live),
@@ -147,15 +154,15 @@ class RemoteBackend:
 
     # the transport
 
-    def listen(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[str, tuple], None]) -> None:
+    def listen(self, loop: asyncio.AbstractEventLoop, on_event: OnEvent) -> None:
         self._loop, self._on_event = loop, on_event
         self._client = httpx.AsyncClient(base_url=self.base, headers=self.headers(), timeout=self.timeout(),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        self._background.append(loop.create_task(self._poll()))
+        spawn(self._background, self._poll(), f"poll {self.name}", loop)
 
-    def emit(self, msg: tuple) -> None:
+    def emit(self, event: BackendEvent) -> None:
         if self._loop is not None and not self.closed:
-            self._loop.call_soon(self._on_event, self.name, msg)
+            self._loop.call_soon(self._on_event, self.name, event)
 
     def load(self) -> dict:
         """Our own view (requests in flight here), replaced by the remote's where an mvllm remote reports it."""
@@ -202,7 +209,7 @@ class RemoteBackend:
                     await r.aread()
                     if r.status_code >= 500 or r.status_code in (408, 429):
                         raise RemoteError(remote_message(r))
-                    self.emit(("error", rid, f"backend {self.name}: {remote_message(r)}"))
+                    self.emit(Error(rid, f"backend {self.name}: {remote_message(r)}"))
                     return
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
@@ -212,13 +219,13 @@ class RemoteBackend:
                         break
                     chunk = json.loads(data)
                     if isinstance(chunk.get("error"), dict):
-                        self.emit(("error", rid, f"backend {self.name}: {chunk['error'].get('message')}"))
+                        self.emit(Error(rid, f"backend {self.name}: {chunk['error'].get('message')}"))
                         return
                     for choice in chunk.get("choices") or []:
                         try:
                             ids, text = self._ids(chunk, choice, first=not out)
                         except RemoteRefused as e:
-                            self.emit(("error", rid, str(e)))
+                            self.emit(Error(rid, str(e)))
                             return
                         by_text = by_text or text
                         if ids and not out:
@@ -226,7 +233,7 @@ class RemoteBackend:
                             self.shadow.add(token_ids)
                         out += ids
                         if ids:
-                            self.emit(("step", [(rid, t, None) for t in ids], self.load()))
+                            self.emit(Step([(rid, t, None) for t in ids], self.load()))
                         reason = choice.get("finish_reason") or reason
                     usage = chunk.get("usage") or {}
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
@@ -252,8 +259,8 @@ class RemoteBackend:
         self.finished += 1
         self.hits += bool(cached)
         if cached is not None:
-            self.emit(("scheduled", [(rid, int(cached))]))
-        self.emit(("done", rid, reason))
+            self.emit(Scheduled([(rid, int(cached))]))
+        self.emit(Done(rid, reason))
 
     async def _failed(self, rid: str, why: str) -> None:
         """A request failed on the way: probe the remote; down, it is marked down (the Cluster re-routes what
@@ -262,12 +269,12 @@ class RemoteBackend:
         if not await self.probe():
             self.go_down(why)
         elif self.alive:
-            self.emit(("failed", rid, f"backend {self.name} failed: {why}"))
+            self.emit(Lost(rid, f"backend {self.name} failed: {why}"))
 
     def go_down(self, why: str) -> None:
         if self.alive:
             self.alive, self.last_error = False, why
-            self.emit(("dead",))
+            self.emit(Dead())
 
     async def probe(self) -> bool:
         """One health probe at a time, shared by every request that failed meanwhile."""
@@ -297,7 +304,7 @@ class RemoteBackend:
         self.tasks.clear()
         self.started.clear()
         if self._loop is not None and not self.closed:
-            self._background.append(self._loop.create_task(self._recover()))
+            spawn(self._background, self._recover(), f"recover {self.name}", self._loop)
 
     async def _recover(self) -> None:
         delay = BACKOFF_S[0]
@@ -312,7 +319,7 @@ class RemoteBackend:
                     continue
                 self.shadow.clear()  # it may have restarted with an empty cache
                 self.alive, self.down_since, self.next_probe = True, None, None
-                self.emit(("up", self.info))
+                self.emit(Up(self.info))
                 return
             delay = min(2 * delay, BACKOFF_S[1])
 
@@ -332,7 +339,7 @@ class RemoteBackend:
                         self._read_backends(r)
                         own = len(self.tasks)
                         external = max(0, self.remote_load["running"] + self.remote_load["waiting"] - own)
-                        self.emit(("load", self.load(), external))
+                        self.emit(Load(self.load(), external))
                         continue
                 except httpx.HTTPError:
                     pass
@@ -341,17 +348,23 @@ class RemoteBackend:
             if not await self.probe():
                 self.go_down("the health probe failed")
 
-    async def call(self, method: str, *args, timeout: float = 600.0):
+    async def call(self, method: Method, *args, timeout: float = 600.0):
         if not self.alive:
             raise MvllmError(f"backend {self.name} is down")
-        if method == "cached_prefix_len":
-            return self.shadow.cached_prefix_len(args[0])
-        if method == "snapshot":
-            return dict(self.info, **self.load(), down_since=self.down_since)
+        if method in self._answers:
+            return self._answers[method](*args)
+        if method not in self._requests:
+            raise MvllmError(f"backend {self.name} has no call {method!r}")
         try:
-            return await asyncio.wait_for(getattr(self, f"_{method}")(*args), timeout)
+            return await asyncio.wait_for(self._requests[method](*args), timeout)
         except httpx.HTTPError as e:
             raise MvllmError(f"backend {self.name}: {method} failed: {type(e).__name__}") from None
+
+    def _cached_prefix_len(self, token_ids: list[int]) -> int:
+        return self.shadow.cached_prefix_len(token_ids)
+
+    def _snapshot(self) -> dict:
+        return dict(self.info, **self.load(), down_since=self.down_since)
 
     async def _warm(self, token_ids: list[int]) -> int:
         """mvllm: its /v1/warm; any other server: a one-token completion, which leaves the prefix cached."""

@@ -12,12 +12,12 @@ step while the device runs this one).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
-the same model with the same tokenizer, reached over HTTP by server/remote.py. Its keys:
+the same model with the same tokenizer, reached over HTTP by backends/remote.py. Its keys:
 max_active (the router books at most this many as running there), model (the name the remote serves;
 default: the first of its /v1/models), num_blocks (the size of the router's shadow prefix index, in
-16-token blocks; default: what an mvllm remote reports, else 4096), timeout (seconds to wait for the next
-chunk, default 60), api_key_env (the name of an environment variable holding the bearer token; the key
-itself never appears in a spec, a log or an error).
+blocks of the remote's block size, else of the engine's BLOCK_SIZE; default: what an mvllm remote reports,
+else 4096), timeout (seconds to wait for the next chunk, default 60), api_key_env (the name of an
+environment variable holding the bearer token; the key itself never appears in a spec, a log or an error).
 
 A backend's name is its role for the router (the "gpu" of gpu-only); its device is a setting.
 """
@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from mvllm import machine
+from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class BackendSpec:
     def remote(self) -> bool:
         return is_url(self.device)
 
-    def engine_config(self, model: str, block_size: int = 16) -> EngineConfig:
+    def engine_config(self, model: str, block_size: int = BLOCK_SIZE) -> EngineConfig:
         from mvllm.engine.engine import EngineConfig
 
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,

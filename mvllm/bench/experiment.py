@@ -29,12 +29,12 @@ sets the policy (POST /v1/policy) and warms the prefix again: much less time spe
 from __future__ import annotations
 
 import copy
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mvllm.errors import MvllmError
-from mvllm.routing.policies import POLICIES
+from mvllm.routing.policies import POLICIES, is_known
 
 try:
     import tomllib
@@ -102,9 +102,37 @@ class Experiment:
 
 
 def check_policy(name: str) -> str:
-    if name in POLICIES[:-1] or re.fullmatch(r"split:\d+", name):
+    if is_known(name):
         return name
     raise ExperimentError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def find_profile(exp: Experiment, results: Path | None = None,
+                 measure: Callable[[Experiment, Path], None] | None = None) -> Path | None:
+    """The profile an experiment routes by; None where it names none. Its `profile` is a file (relative to the
+    current folder, else to the experiment file; checked as a profile) or "auto": profile.json in the results
+    folder (`results`, default results/<name>), measured there by `mvllm profile`. `mvllm bench` passes
+    `measure(exp, path)`, which makes that file or keeps one that covers the experiment (runner.measure);
+    `mvllm simulate` passes none, and reads the file an earlier bench measured."""
+    if exp.profile is None:
+        return None
+    if exp.profile == "auto":
+        path = (results if results is not None else Path("results") / exp.name) / "profile.json"
+        if measure is not None:
+            measure(exp, path)
+        elif not path.is_file():
+            raise ExperimentError(f"experiment {exp.name} measures its profile when benched ('auto') and {path} "
+                                  "does not exist yet; pass --profile")
+        return path
+    for base in (Path.cwd(), exp.path.parent if exp.path else Path.cwd()):
+        path = (base / exp.profile).resolve()
+        if path.is_file():
+            from mvllm.routing.rates import load_profile
+
+            load_profile(path)
+            return path
+    raise ExperimentError(f"key 'profile': no profile file {exp.profile!r} (looked relative to the current "
+                          f"folder and to the experiment file)")
 
 
 def load(path: str | Path) -> Experiment:
@@ -250,10 +278,12 @@ def _article(kind: str) -> str:
 
 
 def default(model: str | None = None) -> Experiment:
-    """The reference workload (seed/BRIEF.md) on the default model and the default backends, one run
-    per policy, rates measured by `mvllm profile` first: what `mvllm bench` does without a file."""
+    """The reference workload (the published CPU/GPU offload experiment's) on the default model and the default
+    backends, one run per policy, rates measured by `mvllm profile` first: what `mvllm bench` does without a
+    file."""
     from mvllm.model.presets import DEFAULT_MODEL
 
     return Experiment(name="default", model=model or DEFAULT_MODEL, runs=1, profile="auto",
                       profile_args=["--lengths", "128,516", "--repeats", "3"],
-                      description="The reference workload (BRIEF.md) on the default model and backends")
+                      description="The reference workload (the published CPU/GPU offload experiment's) "
+                                  "on the default model and backends")

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from mvllm import env as envinfo
 from mvllm.backends.spec import default_backends, parse_backends, set_option
 from mvllm.bench.client import replay, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
-from mvllm.bench.experiment import Experiment, ExperimentError, check_policy
+from mvllm.bench.experiment import Experiment, ExperimentError, check_policy, find_profile
 from mvllm.bench.metrics import summarize
 from mvllm.bench.process import ServerError, ServerProcess
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
@@ -52,34 +53,21 @@ def _matches(path: Path, model: str, need: dict[str, int]) -> bool:
             and all(int(have[b].get("max_active") or 0) >= n for b, n in need.items()))
 
 
-def find_profile(exp: Experiment, out: Path, console: Console) -> Path | None:
-    """The profile the server routes with: a file (relative to the cwd or to the experiment file),
-    "auto" (measured once with `mvllm profile` into the results folder), or none."""
-    if exp.profile is None:
-        return None
-    if exp.profile == "auto":
-        path, need = out / "profile.json", _largest(exp)
-        if not _matches(path, exp.model, need):
-            backends = backend_text(exp)
-            for name, n in need.items():
-                backends = set_option(backends, name, "max_active", str(n))
-            cmd = [sys.executable, "-m", "mvllm.cli", "profile", "--model", exp.model, "--backends", backends,
-                   "--out", str(path), *exp.profile_args]
-            console.print(f"[dim]profiling the backends: {' '.join(cmd[2:])}[/dim]", highlight=False)
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0 or not path.is_file():
-                last = "\n".join("    " + x for x in (done.stderr or done.stdout).strip().splitlines()[-10:])
-                raise MvllmError(f"`mvllm profile` failed (exit {done.returncode}):\n{last}")
-        return path
-    for base in (Path.cwd(), exp.path.parent if exp.path else Path.cwd()):
-        path = (base / exp.profile).resolve()
-        if path.is_file():
-            from mvllm.routing.rates import load_profile
-
-            load_profile(path)
-            return path
-    raise ExperimentError(f"key 'profile': no profile file {exp.profile!r} (looked relative to the current "
-                          f"folder and to the experiment file)")
+def measure(exp: Experiment, path: Path, console: Console) -> None:
+    """An "auto" profile: measured with `mvllm profile` into `path`, unless the one there already serves."""
+    need = _largest(exp)
+    if _matches(path, exp.model, need):
+        return
+    backends = backend_text(exp)
+    for name, n in need.items():
+        backends = set_option(backends, name, "max_active", str(n))
+    cmd = [sys.executable, "-m", "mvllm.cli", "profile", "--model", exp.model, "--backends", backends,
+           "--out", str(path), *exp.profile_args]
+    console.print(f"[dim]profiling the backends: {' '.join(cmd[2:])}[/dim]", highlight=False)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not path.is_file():
+        last = "\n".join("    " + x for x in (done.stderr or done.stdout).strip().splitlines()[-10:])
+        raise MvllmError(f"`mvllm profile` failed (exit {done.returncode}):\n{last}")
 
 
 def server_args(exp: Experiment, policy: str, profile: Path | None, routing_log: Path) -> list[str]:
@@ -164,7 +152,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
             url = server.url
         model = served_model(url) or exp.model
         display = RunDisplay(console, label, len(requests))
-        with display if not quiet else _Null():
+        with display if not quiet else nullcontext():
             records, duration, start = asyncio.run(replay(url, model, requests, exp.request_timeout,
                                                    None if quiet else display.done))
     finally:
@@ -183,14 +171,6 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
     summary.update(summarize(records, duration))
     write_requests(folder / "requests.csv", records)
     return summary
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: int | None = None,
@@ -212,7 +192,7 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     if exp.path is not None and exp.path.resolve() != (out / "experiment.toml").resolve():
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
-    profile = find_profile(exp, out, console) if url is None else None
+    profile = find_profile(exp, out, lambda e, path: measure(e, path, console)) if url is None else None
     servers = Servers(exp.server, out, profile) if url is None else None
     total = len(exp.points()) * len(policies) * runs
     knob = exp.sweep.knob if exp.sweep else None

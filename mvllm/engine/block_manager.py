@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 from mvllm.engine.sequence import Sequence
+
+BLOCK_SIZE = 16  # tokens per KV block: the engine's default, and what the simulator and shadow indexes assume
 
 
 class Block:
@@ -21,11 +24,22 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE, *, tokens: int | None = None,
+                 start: int = 0, parent: int | None = None) -> Iterator[int]:
+    """The hash chain over the full blocks among the first `tokens` of `token_ids` (default: all of them),
+    lazily, so a look-up can stop at its first miss: hash i stands for block i and every block before it.
+    `start`, `parent`: go on with a chain whose first `start` blocks are hashed already, the last to `parent`."""
+    end = len(token_ids) if tokens is None else tokens
+    for i in range(start, end // block_size):
+        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        yield parent
+
+
 class BlockManager:
     """Blocks are in one of three states: referenced (ref_count > 0), free and clean (no hash), or free
     and cached (hash kept, evictable, in LRU order: least recently released first)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.clean: deque[int] = deque(range(num_blocks))
@@ -47,12 +61,10 @@ class BlockManager:
 
     def _match(self, token_ids: list[int]) -> list[int]:
         """Ids of cached blocks holding a prefix of token_ids; the last token is always left to compute."""
-        bs, parent, hit = self.block_size, None, []
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent = chain_hash(parent, tokens)
-            block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        bs, hit = self.block_size, []
+        for i, h in enumerate(block_hashes(token_ids, bs, tokens=len(token_ids) - 1)):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             hit.append(block_id)
         return hit
@@ -104,14 +116,14 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Publish the full blocks whose KV has been computed, so later prompts can reuse them."""
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+        bs, done = self.block_size, len(seq.block_hashes)
+        new = block_hashes(seq.token_ids, bs, tokens=seq.num_computed_tokens, start=done,
+                           parent=seq.block_hashes[-1] if done else None)
+        for i, h in enumerate(new, done):
             seq.block_hashes.append(h)
             if h not in self.hash_to_block:
                 block = self.blocks[seq.block_table[i]]
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 self.hash_to_block[h] = block.id
 
     def free(self, seq: Sequence) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from mvllm import machine
-from mvllm.engine.block_manager import BlockManager
+from mvllm.engine.block_manager import BLOCK_SIZE, BlockManager
 from mvllm.engine.model_runner import Launched, ModelRunner
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.quant import cpu_mode, quantize
@@ -30,7 +30,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     max_active: int = 4
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
     max_model_len: int | None = None

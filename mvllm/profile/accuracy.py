@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import torch
 
+from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import InvalidRequestError
 from mvllm.model.attention import build_meta
 from mvllm.model.decoder import Decoder
 from mvllm.model.loader import ModelSource, build_model, load_tokenizer
 
-EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
+EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval.txt"
 MIN_TOKENS = 512
 DECODE_CHUNK = 4
 KL_BOUND = 0.005  # nats/token: what an accurate mode must keep (bf16 measured 0.0013 on SmolLM2)
@@ -49,7 +50,7 @@ def eval_tokens(source: ModelSource, path: Path | None = None, max_len: int | No
 
 @torch.inference_mode()
 def logits(model: Decoder, ids: list[int], device: torch.device, dtype: torch.dtype, chunk: int | None = None,
-           block_size: int = 16, layout: str = "") -> torch.Tensor:
+           block_size: int = BLOCK_SIZE, layout: str = "") -> torch.Tensor:
     """Float32 logits [n, vocab] on the CPU at every position; `chunk` tokens per forward (None: all at once)."""
     cfg, n = model.cfg, len(ids)
     blocks = -(-n // block_size)

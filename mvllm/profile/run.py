@@ -17,6 +17,7 @@ import torch
 
 from mvllm import machine
 from mvllm.backends.spec import BackendSpec, share_cores
+from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
 from mvllm.env import backend_facts, cpu_name, git_commit
@@ -56,7 +57,7 @@ def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int) -> i
 
 
 def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], repeats: int, steps: int,
-                    progress: Progress, block_size: int = 16, reference: Reference | None = None) -> dict:
+                    progress: Progress, block_size: int = BLOCK_SIZE, reference: Reference | None = None) -> dict:
     config = spec.engine_config(model, block_size)
     config.num_blocks = kv_blocks(spec, lengths, block_size)
     progress(f"{spec.name}: loading {model} on {spec.device}")

@@ -1,4 +1,4 @@
-"""The cost model of the reference experiment (seed/BRIEF.md), exactly:
+"""The reference router's cost score (the published CPU/GPU offload experiment; docs/routing.md), exactly:
 
     score(backend) = pending_prefill_tokens / prefill_rate + pending_decode_tokens / decode_rate
 

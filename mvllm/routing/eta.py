@@ -1,9 +1,10 @@
 """Estimated finish time of a new request on one backend, from the profile's per-batch step times.
 
-The brief's score divides all pending decode tokens by one aggregate rate, so it prices a lone request on
-an idle CPU at the CPU's full-batch throughput, though that request decodes at the batch-1 speed. This model
-replays the backend's FCFS queue instead: at most max_active requests run, each decode step costs the
-profiled step time at the current batch size, and a request starts decoding after its uncached prefill.
+The reference router's cost score (routing/cost.py) divides all pending decode tokens by one aggregate rate,
+so it prices a lone request on an idle CPU at the CPU's full-batch throughput, though that request decodes at
+the batch-1 speed. This model replays the backend's FCFS queue instead: at most max_active requests run,
+each decode step costs the profiled step time at the current batch size, and a request starts decoding after
+its uncached prefill.
 
 This is the one timing model of a backend; `mvllm simulate` steps it through time. What it prices, and from
 which measurement of the profile entry:

@@ -1,24 +1,34 @@
-"""Routing policies: each picks one backend name for a whole request."""
+"""Routing policies: each picks one backend name for a whole request.
+
+Each policy class says what the router must compute for it (`needs_rates`, `needs_timing`, `needs_drain`);
+REGISTRY and PARAMETRISED are the one list of the names `--policy` takes, and POLICIES is derived from them.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from mvllm.errors import InvalidRequestError
 from mvllm.routing.cost import Candidate
 
-ETA_MARGIN = 0.05  # the simulator's makespan error bar against the measured runs (issue 13)
-POLICIES = ("mixed", "eta", "makespan", "gpu-only", "cpu-only", "round-robin", "split:K")
+ETA_MARGIN = 0.05  # the simulator's makespan error bar against the measured runs (docs/routing.md)
 
 
 class Policy:
     name = ""
-    needs_scores = False
+    needs_rates = False  # each backend's cost score: its profiled prefill_rate and decode_rate
+    needs_timing = False  # eta's finish time of the request: the profile's per-batch decode step times
+    needs_drain = False  # the finish of each backend's whole queue, with and without the request (eta's model)
+    # (the router prices timing and drain on each backend's candidate, which its rates make: set needs_rates too)
 
     def choose(self, alive: list[str], candidates: dict[str, Candidate]) -> str:
         raise NotImplementedError
 
 
 class Mixed(Policy):
-    name, needs_scores = "mixed", True
+    """The backend of the lowest cost score: the reference router's (routing/cost.py)."""
+
+    name, needs_rates = "mixed", True
 
     def choose(self, alive, candidates):
         return min(alive, key=lambda b: candidates[b].score)
@@ -30,7 +40,7 @@ class Eta(Policy):
     is predicted to finish it more than ETA_MARGIN sooner: a gain smaller than the model's error is not worth
     moving a request (a fast CPU at low load would take requests for nothing but a later first token)."""
 
-    name, needs_scores = "eta", True
+    name, needs_rates, needs_timing = "eta", True, True
 
     def choose(self, alive, candidates):
         best = min(alive, key=lambda b: candidates[b].eta)
@@ -40,9 +50,10 @@ class Eta(Policy):
 
 class Makespan(Policy):
     """The backend that keeps the predicted finish of all booked work earliest (eta's model); ties go to the
-    request's own earliest finish. eta looks at one request; this looks at the batch, as the brief's metric."""
+    request's own earliest finish. eta looks at one request; this looks at the batch, whose completion time
+    is the metric the reference experiment reports."""
 
-    name, needs_scores = "makespan", True
+    name, needs_rates, needs_timing, needs_drain = "makespan", True, True, True
 
     def choose(self, alive, candidates):
         def batch_end(b: str) -> float:
@@ -75,50 +86,79 @@ class RoundRobin(Policy):
 
 
 class Split(Policy):
-    """The first K requests of a run go to the cpu backend, the rest to the gpu backend."""
+    """The first K requests of a run go to the `offload` backend, the rest to the `home` backend (either one,
+    while it is down, to the first backend alive)."""
 
-    def __init__(self, k: int):
-        self.name, self.k, self.seen = f"split:{k}", k, 0
+    def __init__(self, k: int, offload: str, home: str):
+        self.name, self.k, self.offload, self.home, self.seen = f"split:{k}", k, offload, home, 0
 
     def choose(self, alive, candidates):
         self.seen += 1
-        target = "cpu" if self.seen <= self.k else "gpu"
+        target = self.offload if self.seen <= self.k else self.home
         return target if target in alive else alive[0]
+
+
+def need(text: str, backends: list[str], *names: str) -> None:
+    """Policy `text` routes to these backend names: each must be one of `backends`."""
+    for n in names:
+        if n not in backends:
+            raise InvalidRequestError(f"policy {text} needs a backend named {n!r}; backends are "
+                                      f"{', '.join(backends)}", "policy")
+
+
+def only(target: str) -> Callable[[str, list[str]], Policy]:
+    def build(text: str, backends: list[str]) -> Policy:
+        need(text, backends, target)
+        return Only(target)
+
+    return build
+
+
+def split(text: str, backends: list[str], k: int) -> Policy:
+    """split:K is defined as K requests to the CPU: it offloads to the backend named "cpu" and keeps the rest
+    on the one named "gpu", as the static splits of the reference experiment did."""
+    need(text, backends, "cpu", "gpu")
+    return Split(k, offload="cpu", home="gpu")
+
+
+# name -> factory(name, backend names); the names `--policy`, experiment files and the server's /v1/policy take
+REGISTRY: dict[str, Callable[[str, list[str]], Policy]] = {
+    "mixed": lambda text, backends: Mixed(),
+    "eta": lambda text, backends: Eta(),
+    "makespan": lambda text, backends: Makespan(),
+    "gpu-only": only("gpu"),
+    "cpu-only": only("cpu"),
+    "round-robin": lambda text, backends: RoundRobin(list(backends)),
+}
+# HEAD -> factory(name, backend names, K) for the names HEAD:K, K a whole number >= 0
+PARAMETRISED: dict[str, Callable[[str, list[str], int], Policy]] = {"split": split}
+POLICIES = (*REGISTRY, *(f"{head}:K" for head in PARAMETRISED))
+
+
+def is_known(name: str) -> bool:
+    """Whether `name` is a policy make_policy builds (given the backends it needs): a registered name, or a
+    parametrised one with a whole number K."""
+    head, sep, k = name.partition(":")
+    return name in REGISTRY if not sep else head in PARAMETRISED and k.isdecimal()
 
 
 def split_k(name: str) -> int | None:
     """K of a well-formed "split:K" policy name; None for any other name."""
     head, _, k = name.partition(":")
-    return int(k) if head == "split" and k.isdigit() else None
+    return int(k) if head == "split" and k.isdecimal() else None
 
 
 def make_policy(text: str, backends: list[str]) -> Policy:
     """Build a policy from its name; checks that the backends it names exist."""
-
-    def need(*names):
-        for n in names:
-            if n not in backends:
-                raise InvalidRequestError(f"policy {text} needs a backend named {n!r}; backends are "
-                                          f"{', '.join(backends)}", "policy")
-
-    if text == "mixed":
-        return Mixed()
-    if text == "eta":
-        return Eta()
-    if text == "makespan":
-        return Makespan()
-    if text in ("gpu-only", "cpu-only"):
-        need(text.split("-")[0])
-        return Only(text.split("-")[0])
-    if text == "round-robin":
-        return RoundRobin(list(backends))
-    if text.startswith("split:"):
+    if text in REGISTRY:
+        return REGISTRY[text](text, backends)
+    head, sep, arg = text.partition(":")
+    if sep and head in PARAMETRISED:
         try:
-            k = int(text.split(":", 1)[1])
+            k = int(arg)
         except ValueError:
             k = -1
         if k < 0:
-            raise InvalidRequestError(f"policy {text!r}: K must be a whole number >= 0, e.g. split:6", "policy")
-        need("cpu", "gpu")
-        return Split(k)
+            raise InvalidRequestError(f"policy {text!r}: K must be a whole number >= 0, e.g. {head}:6", "policy")
+        return PARAMETRISED[head](text, backends, k)
     raise InvalidRequestError(f"unknown policy {text!r}; known: {', '.join(POLICIES)}", "policy")

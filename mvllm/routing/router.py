@@ -36,12 +36,12 @@ class Router:
     def set_policy(self, text: str) -> None:
         """Route new requests by this policy (fresh state: split:K counts from zero again)."""
         policy = make_policy(text, self.backends)
-        if policy.needs_scores:
+        if policy.needs_rates:
             missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
             if missing:
                 raise InvalidRequestError(f"policy {text} needs prefill_rate and decode_rate for backend(s) "
                                           f"{', '.join(missing)}: pass --profile (made by `mvllm profile`)", "policy")
-        if policy.name in ("eta", "makespan"):
+        if policy.needs_timing or policy.needs_drain:
             missing = [b for b in self.backends if not self.timings.get(b)]
             if missing:
                 raise InvalidRequestError(f"policy {policy.name} needs per-batch decode step times for backend(s) "
@@ -60,9 +60,9 @@ class Router:
                 c = candidate(b, booked, prompt_tokens, cached.get(b, 0), max_tokens, float(r["prefill_rate"]),
                               float(r["decode_rate"]))
                 timing = self.timings.get(b)
-                if timing and (self.policy.name in ("eta", "makespan") or self.log):
+                if timing and (self.policy.needs_timing or self.log):
                     c.eta = finish_time(timing, booked, prompt_tokens - cached.get(b, 0), max_tokens)
-                if timing and self.policy.name == "makespan":
+                if timing and self.policy.needs_drain:
                     c.drain = drain_time(timing, booked, (prompt_tokens - cached.get(b, 0), max_tokens))
                     c.idle_drain = drain_time(timing, booked)
                 out[b] = c
@@ -77,7 +77,7 @@ class Router:
             raise NoBackendError("no backend is alive to serve the request")
         self.recent_max_tokens = (self.recent_max_tokens + [max_tokens])[-32:]
         # scores only where the policy or the routing log reads them: eta's replay costs O(queue) per backend
-        cands = self.candidates(prompt_tokens, max_tokens, cached) if self.policy.needs_scores or self.log else {}
+        cands = self.candidates(prompt_tokens, max_tokens, cached) if self.policy.needs_rates or self.log else {}
         choice = self.policy.choose(alive, cands)
         self.bookings[choice][request_id] = Booking(request_id, prompt_tokens, cached.get(choice, 0), max_tokens)
         self.decisions[choice] += 1

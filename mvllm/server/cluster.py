@@ -1,14 +1,17 @@
 """The backends behind the server: starts their workers, routes each request through the Router, and
-turns worker events into per-request streams."""
+turns backend events (mvllm.backends.events) into per-request streams."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
+from mvllm.backends.base import Backend, spawn
+from mvllm.backends.events import Aborted, BackendEvent, Dead, Done, Error, Load, Lost, Scheduled, Step, Up
 from mvllm.backends.process import ProcessBackend
 from mvllm.backends.remote import RemoteBackend
 from mvllm.backends.spec import BackendSpec
@@ -18,8 +21,8 @@ from mvllm.routing.router import Router
 from mvllm.server.metrics import Metrics
 
 
-def make_backend(spec: BackendSpec, model: str) -> ProcessBackend | RemoteBackend:
-    """A worker process on this machine, or another server over HTTP: one transport, two implementations."""
+def make_backend(spec: BackendSpec, model: str) -> Backend:
+    """A worker process on this machine, or another server over HTTP: one Backend, two implementations."""
     return RemoteBackend(spec, model) if spec.remote else ProcessBackend(spec, model)
 
 
@@ -45,7 +48,7 @@ class Cluster:
     def __init__(self, specs: list[BackendSpec], model: str, router: Router, restart: bool = False,
                  ready_timeout: float = 600.0):
         self.model, self.router, self.restart, self.ready_timeout = model, router, restart, ready_timeout
-        self.backends = {s.name: make_backend(s, model) for s in specs}
+        self.backends: dict[str, Backend] = {s.name: make_backend(s, model) for s in specs}
         router.estimated = {s.name for s in specs if s.remote}  # their cached prefixes are shadow estimates
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, str] = {}
@@ -57,6 +60,7 @@ class Cluster:
         self.warmed: list[list[int]] = []
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.tasks: set[asyncio.Task] = set()  # re-routes and restarts under way
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -75,73 +79,85 @@ class Cluster:
     def healthy(self) -> bool:
         return all(b.alive for b in self.backends.values())
 
-    def _on_event(self, name: str, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "scheduled":
-            for rid, cached in msg[1]:
-                self.router.on_scheduled(name, rid, cached)
-                self._put(rid, Event(cached_tokens=cached))
-        elif kind == "step":
-            _, tokens, load = msg
-            self.snapshots[name].update(load)
-            self.metrics.observe_snapshot(name, load)
-            for rid, token, reason in tokens:
-                self.unstarted.pop(rid, None)
-                self.router.on_tokens(name, rid, 1)
-                if reason:
-                    self.router.on_finished(name, rid)
-                self._put(rid, Event(token=token, finish_reason=reason))
-        elif kind in ("error", "aborted"):
-            rid = msg[1]
-            self.unstarted.pop(rid, None)
-            self.router.on_finished(name, rid)
-            self._put(rid, Event(error=msg[2]) if kind == "error" else Event(finish_reason="abort"))
-        elif kind == "done":  # a remote's request ended after its last token
-            self._done(name, msg[1], msg[2])
-        elif kind == "failed":  # a remote's request failed while the remote still answers its health probe
-            self._lost(name, msg[1], msg[2])
-        elif kind == "load":  # an mvllm remote's load, with the requests it runs for other clients
-            self.snapshots[name].update(msg[1])
-            self.metrics.observe_snapshot(name, msg[1])
-            self.router.set_external(name, msg[2])
-        elif kind == "up":  # a remote that was down answers its probe again
-            self.snapshots[name] = dict(msg[1])
-            self.restarts[name] += 1
-            self.metrics.restarts.labels(name).inc()
-            self.metrics.backend_up.labels(name).set(1)
-            self.router.revive(name)
-        elif kind == "dead":
-            self.backends[name].mark_dead()
-            self.metrics.backend_up.labels(name).set(0)
-            for rid in self.router.on_dead(name):
-                if rid in self.unstarted and rid in self.streams and not self.draining:
-                    asyncio.ensure_future(self._reroute(rid, name))
-                else:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        spawn(self.tasks, coro, name, self.loop)
+
+    def _on_event(self, name: str, event: BackendEvent) -> None:
+        match event:
+            case Scheduled(admitted):
+                for rid, cached in admitted:
+                    self.router.on_scheduled(name, rid, cached)
+                    self._put(rid, Event(cached_tokens=cached))
+            case Step(tokens, load):
+                self.snapshots[name].update(load)
+                self.metrics.observe_snapshot(name, load)
+                for rid, token, reason in tokens:
                     self.unstarted.pop(rid, None)
-                    self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
-            if self.restart and not self.draining and not self.backends[name].spec.remote:
-                asyncio.ensure_future(self._respawn(name))  # a remote comes back by itself: RemoteBackend probes it
+                    self.router.on_tokens(name, rid, 1)
+                    if reason:
+                        self.router.on_finished(name, rid)
+                    self._put(rid, Event(token=token, finish_reason=reason))
+            case Error(rid, message):
+                self._ended(name, rid, Event(error=message))
+            case Aborted(rid):
+                self._ended(name, rid, Event(finish_reason="abort"))
+            case Done(rid, reason):  # a remote's request ended after its last token
+                self._done(name, rid, reason)
+            case Lost(rid, why):  # a remote's request failed while the remote still answers its health probe
+                self._lost(name, rid, why)
+            case Load(load, external):  # an mvllm remote's load, with the requests it runs for other clients
+                self.snapshots[name].update(load)
+                self.metrics.observe_snapshot(name, load)
+                self.router.set_external(name, external)
+            case Up(snapshot):  # a remote that was down answers its probe again
+                self.snapshots[name] = dict(snapshot)
+                self.restarts[name] += 1
+                self.metrics.restarts.labels(name).inc()
+                self.metrics.backend_up.labels(name).set(1)
+                self.router.revive(name)
+            case Dead():
+                self._dead(name)
+            case _:
+                raise TypeError(f"backend {name} sent {event!r}, which is no event")
+
+    def _ended(self, name: str, rid: str, event: Event) -> None:
+        self.unstarted.pop(rid, None)
+        self.router.on_finished(name, rid)
+        self._put(rid, event)
+
+    def _dead(self, name: str) -> None:
+        """A backend is gone: what had not started goes elsewhere, the rest ends; a worker is restarted."""
+        self.backends[name].mark_dead()
+        self.metrics.backend_up.labels(name).set(0)
+        for rid in self.router.on_dead(name):
+            if rid in self.unstarted and rid in self.streams and not self.draining:
+                self._spawn(self._reroute(rid, name), f"reroute {rid}")
+            else:
+                self.unstarted.pop(rid, None)
+                self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
+        if self.restart and not self.draining and not self.backends[name].spec.remote:
+            self._spawn(self._respawn(name), f"restart {name}")  # a remote comes back by itself: it probes
 
     def _done(self, name: str, rid: str, reason: str) -> None:
         booking = self.router.bookings[name].get(rid)
         if booking is not None and name in self.router.estimated:
             self.router.note({"request_id": rid, "time": time.time(), "event": "remote_cache", "backend": name,
                               "estimated_cached": booking.estimated_cached, "actual_cached": booking.actual_cached})
-        self.unstarted.pop(rid, None)
-        self.router.on_finished(name, rid)
-        self._put(rid, Event(finish_reason=reason))
+        self._ended(name, rid, Event(finish_reason=reason))
 
     def _lost(self, name: str, rid: str, why: str) -> None:
         """One request failed on a backend that is still up: elsewhere if it had not started, else an error."""
         self.router.on_finished(name, rid)
         if rid in self.unstarted and rid in self.streams and not self.draining:
-            asyncio.ensure_future(self._reroute(rid, name, exclude=(name,)))
+            self._spawn(self._reroute(rid, name, exclude=(name,)), f"reroute {rid}")
         else:
             self.unstarted.pop(rid, None)
             self._put(rid, Event(error=why))
 
     async def _reroute(self, rid: str, dead: str, exclude: tuple[str, ...] = ()) -> None:
         """Place a request that had sent nothing yet on a live backend; its client sees no difference."""
+        if rid not in self.unstarted:  # its client went away meanwhile
+            return
         token_ids, params, arrival = self.unstarted[rid]
         try:
             cached = await self.cached_prefix(token_ids)
@@ -158,9 +174,8 @@ class Cluster:
 
     async def _respawn(self, name: str) -> None:
         old = self.backends[name]
-        old.process.join(0)
 
-        def spawn() -> ProcessBackend:
+        def start() -> ProcessBackend:
             backend = ProcessBackend(old.spec, self.model)
             try:
                 backend.wait_ready(self.ready_timeout)
@@ -170,7 +185,7 @@ class Cluster:
             return backend
 
         try:
-            backend = await asyncio.get_running_loop().run_in_executor(None, spawn)
+            backend = await asyncio.get_running_loop().run_in_executor(None, start)
         except MvllmError as e:
             self.restart_error[name] = str(e)  # shown by /health; the backend stays down
             return
@@ -183,7 +198,7 @@ class Cluster:
         try:
             for ids in self.warmed:
                 await self.warm(ids, backend=name)
-        except (MvllmError, asyncio.TimeoutError) as e:  # it died again while warming: its "dead" event follows
+        except (MvllmError, asyncio.TimeoutError) as e:  # it died again while warming: its Dead event follows
             self.restart_error[name] = str(e)
             return
         self.restart_error.pop(name, None)

@@ -50,7 +50,7 @@ def lossy_warnings(specs: list[BackendSpec]) -> list[str]:
 
 def choose_policy(policy: str | None, profile: str | None) -> str:
     """Without --policy: eta where a profile gives it the backends' speeds, else everything to the gpu
-    backend. On the H200, eta never lost to gpu-only and the brief's mixed did (README, Results)."""
+    backend. On the H200, eta never lost to gpu-only and the reference's mixed did (results/README.md)."""
     return policy or ("eta" if profile else "gpu-only")
 
 

@@ -19,7 +19,7 @@ from mvllm.simulate.sim import simulate
 SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0)
 INTERVALS = (0.2, 0.1, 0.05, 0.025)
 SPLITS = range(1, 13)
-M2_RATIO = 45 / 293  # BRIEF.md: CPU / GPU decode tok/s
+M2_RATIO = 45 / 293  # the reference experiment's published M2 rates: CPU / GPU decode tok/s
 POLICIES = ("mixed", "eta", "makespan")
 GAIN = 0.005  # a split must beat gpu-only's batch completion by this much to count as the best one
 

@@ -8,8 +8,8 @@ each step as the one before it starts, counting the tokens in flight: a request 
 runs joins the step after next, and a slot freed by a request's last token is filled in the next step as in
 the plain loop. A step of b requests takes the profile's decode step
 time at batch b, plus the uncached prompt tokens it admits at the profile's prefill rate. Cached prefixes
-are full blocks of 16 found by the same chain of block hashes as the engine's (warmed as the bench warms
-them; no eviction is modelled). The router sees the events a worker would send (admitted, token,
+are full blocks of the engine's BLOCK_SIZE found by the engine's chain of block hashes (warmed as the bench
+warms them; no eviction is modelled). The router sees the events a worker would send (admitted, token,
 finished), so mixed, eta and split:K decide as they would in `mvllm serve`. Requests run to max_tokens
 (the bench ignores EOS). Output: one `summary.json` per policy and setting with bench's keys, in seconds
 of simulated time.
@@ -28,26 +28,15 @@ from mvllm.backends.spec import default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.metrics import RequestRecord, summarize
-from mvllm.engine.block_manager import chain_hash
+from mvllm.engine.block_manager import BLOCK_SIZE, block_hashes
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
 from mvllm.routing.rates import rates_as_served
 from mvllm.routing.router import Router
 
-BLOCK = 16
-
 
 class SimulateError(MvllmError):
     pass
-
-
-def block_hashes(tokens: list[int]) -> list[int]:
-    """The engine's hash chain over the full blocks of `tokens` (engine/block_manager.py)."""
-    out, h = [], None
-    for i in range(len(tokens) // BLOCK):
-        h = chain_hash(h, tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
-        out.append(h)
-    return out
 
 
 @dataclass(slots=True)
@@ -76,7 +65,7 @@ class Backend:
         for h in block_hashes(tokens):
             if h not in self.blocks:
                 break
-            n += BLOCK
+            n += BLOCK_SIZE
         return n
 
     def cache(self, tokens: list[int]) -> None:
@@ -199,8 +188,8 @@ def scaled_steps(profile: dict, ratios: dict[str, float]) -> dict:
 
 
 BAND_KEYS = ("makespan", "p95_ttft_ms", "p95_e2el_ms")
-# A host's run-to-run drift of the step time: over the 105 GPU runs of results/compiled-gpu (one H200 session),
-# each run's served TPOT over the simulated one had its 10th-90th percentiles at 0.91 and 1.07
+# A host's run-to-run drift of the step time: over the 105 GPU runs of results/compiled-gpu (one H200 machine,
+# back to back), each run's served TPOT over the simulated one had its 10th-90th percentiles at 0.91 and 1.07
 # (results/simulate/vs-measured.json, drift_check); the CPU's, over 52 runs, at 0.86 and 1.13.
 DRIFT = 0.08
 
@@ -237,25 +226,6 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return rows
-
-
-def find_profile(exp: Experiment, given: str | None) -> Path:
-    """--profile, else the experiment's: a file next to the cwd or the experiment, or for "auto" the one
-    bench measured into results/<name>/profile.json."""
-    if given:
-        return Path(given)
-    if exp.profile is None:
-        raise SimulateError(f"experiment {exp.name} names no profile; pass --profile (made by `mvllm profile`)")
-    if exp.profile == "auto":
-        path = Path("results") / exp.name / "profile.json"
-        if not path.is_file():
-            raise SimulateError(f"experiment {exp.name} measures its profile when benched ('auto') and {path} "
-                                "does not exist yet; pass --profile")
-        return path
-    for base in (Path.cwd(), exp.path.parent if exp.path else Path.cwd()):
-        if (base / exp.profile).is_file():
-            return base / exp.profile
-    raise SimulateError(f"no profile file {exp.profile!r}; pass --profile")
 
 
 def measured(folder: Path) -> dict[tuple, dict]:
