@@ -122,14 +122,14 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
 
     @app.get("/health")
     async def health():
-        states = {n: {"alive": b.alive, "restarts": cluster.restarts[n]} for n, b in cluster.backends.items()}
+        states = {n: {"alive": cluster.serving(n), "restarts": cluster.restarts[n]} for n in cluster.backends}
         for n, b in cluster.backends.items():
             if b.spec.remote:
                 states[n].update(b.health())
         for n, why in cluster.restart_error.items():
             states[n]["restart_error"] = why
         if not cluster.healthy():
-            down = [n for n, b in cluster.backends.items() if not b.alive]
+            down = [n for n in cluster.backends if not cluster.serving(n)]
             return JSONResponse({"status": "degraded", "down": down, "backends": states}, status_code=503)
         return {"status": "ok", "backends": states}
 

@@ -76,8 +76,12 @@ class Cluster:
         for backend in self.backends.values():
             backend.listen(loop, self._on_event)
 
+    def serving(self, name: str) -> bool:
+        """Up and routed to: a respawned worker counts only once it is warmed again and back in the router."""
+        return self.backends[name].alive and self.router.alive[name]
+
     def healthy(self) -> bool:
-        return all(b.alive for b in self.backends.values())
+        return all(self.serving(n) for n in self.backends)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         spawn(self.tasks, coro, name, self.loop)
