@@ -10,8 +10,7 @@ from mvllm.engine.sequence import Sequence, Times
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer
 from mvllm.model.presets import DEFAULT_MODEL
-
-Prompt = str | list[int]
+from mvllm.model.tokenizer import Prompt, Tokenizer
 
 
 @dataclass(slots=True)
@@ -23,40 +22,6 @@ class RequestOutput:
     num_cached_tokens: int
     finish_reason: str | None
     metrics: Times
-
-
-class Tokenizer:
-    """Text <-> ids for one model; a synthetic model has none and accepts only token ids."""
-
-    def __init__(self, hf_tokenizer, model_spec: str):
-        self.hf, self.model_spec = hf_tokenizer, model_spec
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.hf is None:
-                raise InvalidRequestError(
-                    f"model {self.model_spec} has no tokenizer; pass the prompt as a list of token ids", "prompt")
-            return self.hf.encode(prompt, add_special_tokens=True)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("a prompt must be a string or a list of integer token ids", "prompt")
-        return list(prompt)
-
-    def parse_ids(self, text: str) -> list[int]:
-        """Comma-separated token ids, the prompt form for models without a tokenizer."""
-        try:
-            return [int(t) for t in text.replace(" ", "").split(",") if t]
-        except ValueError:
-            raise InvalidRequestError(f"model {self.model_spec} has no tokenizer; give the prompt as comma-separated "
-                                      "token ids, e.g. 1,2,3", "prompt") from None
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.hf is None or not getattr(self.hf, "chat_template", None):
-            raise InvalidRequestError(f"model {self.model_spec} has no chat template", "messages")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.hf.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int]) -> str | None:
-        return None if self.hf is None else self.hf.decode(ids, skip_special_tokens=True)
 
 
 class LLM:

@@ -34,7 +34,7 @@ from mvllm.engine.block_manager import BlockManager
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
 from mvllm.errors import InvalidRequestError
-from mvllm.llm import Tokenizer
+from mvllm.model.tokenizer import Tokenizer
 from mvllm.server.text import Detokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from mvllm.llm import Tokenizer
+from mvllm.model.tokenizer import Tokenizer
 from mvllm.server.text import Detokenizer
 
 

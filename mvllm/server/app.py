@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from mvllm.engine.engine import check_budget, check_prompt
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import InvalidRequestError, MvllmError
-from mvllm.llm import Tokenizer
+from mvllm.model.tokenizer import Tokenizer
 from mvllm.server.cluster import Cluster
 from mvllm.server.protocol import ChatRequest, CompletionRequest, PolicyRequest, WarmRequest, error
 from mvllm.server.text import Detokenizer

@@ -11,8 +11,8 @@ from rich.console import Console
 from mvllm.backends.spec import BackendSpec, parse_backends, share_cores
 from mvllm.engine.quant import LOSSY
 from mvllm.errors import InvalidRequestError
-from mvllm.llm import Tokenizer
 from mvllm.model.loader import load_tokenizer, resolve
+from mvllm.model.tokenizer import Tokenizer
 from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
 from mvllm.server.app import build_app

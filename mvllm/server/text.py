@@ -8,7 +8,7 @@ they do not begin a stop string.
 
 from __future__ import annotations
 
-from mvllm.llm import Tokenizer
+from mvllm.model.tokenizer import Tokenizer
 
 
 class Detokenizer:
