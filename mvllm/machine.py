@@ -59,46 +59,34 @@ def compute_cores() -> tuple[int, str]:
     return n, f"{n} logical CPUs"
 
 
-def onednn() -> bool:
+def probe(ask, default):
+    """ask(torch), or `default` where this build lacks what it asks about (AttributeError, RuntimeError)."""
     import torch
 
     try:
-        return bool(torch.backends.mkldnn.is_available())
+        return ask(torch)
     except (AttributeError, RuntimeError):
-        return False
+        return default
+
+
+def onednn() -> bool:
+    return probe(lambda t: bool(t.backends.mkldnn.is_available()), False)
 
 
 def onednn_bf16() -> bool:
-    """oneDNN is in this build and this CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
-    import torch
-
-    if not onednn():
-        return False
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except (RuntimeError, AttributeError):
-        return False
+    """oneDNN is in this build and this CPU computes bf16 natively (AVX-512 BF16 or AMX); the macOS wheel has
+    no `_is_mkldnn_bf16_supported` op at all."""
+    return onednn() and probe(lambda t: bool(t.ops.mkldnn._is_mkldnn_bf16_supported()), False)
 
 
 def openmp() -> bool:
     """torch's own parallel backend is OpenMP (at::parallel_for spreads over threads in our kernels)."""
-    import torch
-
-    try:
-        return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
-    except (AttributeError, RuntimeError):
-        return False
+    return probe(lambda t: "ATen parallel backend: OpenMP" in t.__config__.parallel_info(), False)
 
 
 def cpu_capability() -> str:
     """torch's kernel dispatch level: AVX512, AVX2, DEFAULT (ARM: NEON/SVE builds report their own)."""
-    import torch
-
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return "unknown"
+    return probe(lambda t: t.backends.cpu.get_cpu_capability(), "unknown")
 
 
 def avx512() -> bool:
@@ -106,12 +94,7 @@ def avx512() -> bool:
 
 
 def mps() -> bool:
-    import torch
-
-    try:
-        return bool(torch.backends.mps.is_available())
-    except (AttributeError, RuntimeError):
-        return False
+    return probe(lambda t: bool(t.backends.mps.is_available()), False)
 
 
 def build_facts() -> dict:

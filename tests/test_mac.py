@@ -109,9 +109,9 @@ def test_serve_answers_sampled_and_greedy_requests(mac):
     assert "Traceback" not in stderr[-1]
 
 
-def test_no_kernel_line_is_printed_twice(mac):
+def test_no_kernel_line_is_printed(mac):
     """Every process of this module (env twice, generate, profile, the server and its two workers) shared one
-    kernel cache: a line about a kernel build, if any, appears once."""
+    kernel cache, and the fused kernels built with torch's OpenMP: no process printed a build failure or a
+    build without OpenMP (tests/test_build.py holds such a line to one print across processes)."""
     _, stderr, _ = mac
-    lines = [line for text in stderr for line in text.splitlines() if line.startswith("mvllm: the ")]
-    assert len(lines) == len(set(lines))
+    assert [line for text in stderr for line in text.splitlines() if line.startswith("mvllm: the ")] == []
