@@ -65,9 +65,11 @@ class Error:
 
 @dataclass(slots=True, frozen=True)
 class Aborted:
-    """The request was aborted on the backend."""
+    """The request was aborted on the backend: the tokens it had made and the wall time (time.time) then."""
 
     rid: str
+    generated: int = 0
+    at: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)

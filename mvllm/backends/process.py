@@ -125,8 +125,8 @@ def _handle(engine: Engine, spec: BackendSpec, cmd: Submit | Abort | Call, send:
             except MvllmError as e:
                 send(Error(rid, str(e)))
         case Abort(rid):
-            if engine.abort(rid) is not None:
-                send(Aborted(rid))
+            if (seq := engine.abort(rid)) is not None:
+                send(Aborted(rid, seq.num_output_tokens, time.time()))
         case Call(call_id, "reset_prefix_cache"):
             send(Reply(call_id, engine.reset_prefix_cache()))
         case Call(call_id, "warm", (token_ids,)):

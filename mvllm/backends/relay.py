@@ -46,7 +46,7 @@ def completion_body(model: str, token_ids: list[int], p: SamplingParams) -> dict
             "return_tokens": True}  # llama.cpp's (ids in `tokens`; its /v1/completions chunks carry text only)
     extra = {"top_k": p.top_k if p.top_k > 0 else None, "seed": p.seed, "stop": p.stop or None,
              "stop_token_ids": p.stop_token_ids or None, "ignore_eos": p.ignore_eos or None,
-             "min_tokens": p.min_tokens or None}
+             "min_tokens": p.min_tokens or None, "benchmark_length": p.stop_at}
     return body | {k: v for k, v in extra.items() if v is not None}
 
 

@@ -228,6 +228,8 @@ class RemoteBackend:
                             self.emit(Error(rid, str(e)))
                             return
                         by_text = by_text or text
+                        if params.stop_at is not None:
+                            ids = ids[:max(params.stop_at - len(out), 0)]
                         if ids and not out:
                             self.started.add(rid)
                             self.shadow.add(token_ids)
@@ -238,6 +240,10 @@ class RemoteBackend:
                     usage = chunk.get("usage") or {}
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
                     remote_tokens = usage.get("completion_tokens", remote_tokens)
+                    if params.stop_at is not None and len(out) >= params.stop_at:
+                        # a server that ignores benchmark_length: stop reading (closing frees its slot)
+                        reason = "stop"
+                        break
             if reason is None:
                 raise RemoteError("the stream ended before its last chunk")
         except asyncio.CancelledError:

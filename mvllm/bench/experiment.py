@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from mvllm.bench.metrics import check_slo
 from mvllm.errors import MvllmError
 from mvllm.routing.policies import POLICIES, is_known
 
@@ -41,7 +42,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ARRIVALS = ("fixed", "poisson", "gamma")
+ARRIVALS = ("fixed", "poisson", "gamma", "trace")
 SERVERS = ("fresh", "shared")
 
 
@@ -51,23 +52,73 @@ class ExperimentError(MvllmError):
 
 @dataclass(slots=True)
 class Workload:
-    requests: int = 8
-    prefix_tokens: int = 496
-    suffix_tokens: int = 20
-    output_tokens: int = 128
-    arrival: str = "fixed"
+    kind: str = "prefix"
+    requests: int | None = None
+    prefix_tokens: int | None = None
+    suffix_tokens: int | None = None
+    output_tokens: int | None = None
+    arrival: str | None = None
     interval: float = 0.05
     rate: float | None = None
     burstiness: float = 1.0
     seed: int = 0
-    warm: bool = True
+    warm: bool | None = None
     vocab: int | None = None
     prompt_tokens: int | None = None
     duration: float | None = None
+    lengths: str | None = None
+    max_tokens: int | None = None
+    path: str | None = None
+    block_tokens: int = 512
+    scale: float = 1.0
+    speedup: float = 1.0
+    start: float = 0.0
+    max_requests: int | None = None
+    max_prompt_tokens: int | None = None
+    over: str = "drop"
+    range_ratio: float = 0.0
+    groups: int = 8
+    prompts_per_group: int = 4
+    turns: int = 1
+    think_time: float = 0.0
+
+    def __post_init__(self):
+        for key, value in KIND_DEFAULTS.get(self.kind, {}).items():  # an unknown kind is refused by check()
+            if getattr(self, key) is None:
+                setattr(self, key, value)
 
     @property
     def request_rate(self) -> float:
         return self.rate if self.rate is not None else 1.0 / self.interval
+
+    @property
+    def hidden(self) -> bool:
+        return self.lengths == "hidden"
+
+
+# Each kind's own keys (beside COMMON_KEYS) and its defaults; a key of another kind is refused by name.
+COMMON_KEYS = ("kind", "arrival", "interval", "rate", "burstiness", "seed", "warm", "vocab", "duration", "lengths",
+               "max_tokens", "max_prompt_tokens", "over")
+KIND_KEYS = {
+    "prefix": ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "prompt_tokens"),
+    "trace": ("path", "block_tokens", "scale", "speedup", "start", "max_requests"),
+    "random": ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "range_ratio"),
+    "shared-prefix": ("groups", "prompts_per_group", "prefix_tokens", "suffix_tokens", "output_tokens",
+                      "range_ratio", "turns", "think_time"),
+    "custom": ("path", "speedup", "max_requests"),
+}
+KIND_DEFAULTS = {
+    "prefix": dict(requests=8, prefix_tokens=496, suffix_tokens=20, output_tokens=128, lengths="told", warm=True,
+                   arrival="fixed"),
+    "trace": dict(lengths="hidden", warm=False, arrival="trace"),
+    "random": dict(requests=64, prefix_tokens=0, suffix_tokens=512, output_tokens=128, lengths="hidden",
+                   warm=False, arrival="poisson"),
+    "shared-prefix": dict(prefix_tokens=512, suffix_tokens=64, output_tokens=128, lengths="hidden", warm=False,
+                          arrival="poisson"),
+    "custom": dict(lengths="hidden", warm=False, arrival="fixed"),
+}
+LENGTHS = ("told", "hidden")
+OVER = ("drop", "clip")
 
 
 @dataclass(slots=True)
@@ -89,6 +140,7 @@ class Experiment:
     server: str = "fresh"
     ready_timeout: float = 600.0
     request_timeout: float = 600.0
+    goodput: dict | None = None  # SLOs in ms, e.g. {"ttft_ms": 500, "e2el_ms": 5000}: the summary adds goodput
     description: str = ""
     workload: Workload = field(default_factory=Workload)
     sweep: Sweep | None = None
@@ -150,7 +202,9 @@ def load(path: str | Path) -> Experiment:
 
 def from_dict(data: dict, where: str = "experiment") -> Experiment:
     data = dict(data)
-    workload = _build(Workload, data.pop("workload", {}), where, "workload.")
+    given = data.pop("workload", {})
+    check_kind_keys(given, where)
+    workload = _build(Workload, given, where, "workload.")
     sweep_data = data.pop("sweep", None)
     for key in ("name", "model"):
         if key not in data:
@@ -167,8 +221,25 @@ def from_dict(data: dict, where: str = "experiment") -> Experiment:
     return exp
 
 
+def check_kind_keys(given, where: str) -> None:
+    """The workload's kind is known and every key given belongs to it (one line naming the known ones)."""
+    if not isinstance(given, dict):
+        return  # _build says it must be a table
+    kind = given.get("kind", "prefix")
+    if kind not in KIND_KEYS:
+        raise ExperimentError(f"{where}: key 'workload.kind' must be one of {', '.join(KIND_KEYS)}, got {kind!r}")
+    known = COMMON_KEYS + KIND_KEYS[kind]
+    for key in given:
+        if key not in known and key in Workload.__dataclass_fields__:
+            raise ExperimentError(f"{where}: key 'workload.{key}' does not apply to kind {kind!r}; its keys: "
+                                  f"{', '.join('workload.' + k for k in known)}")
+
+
 def check(exp: Experiment, where: str = "experiment") -> None:
     w = exp.workload
+    if w.kind not in KIND_KEYS:
+        raise ExperimentError(f"{where}: key 'workload.kind' must be one of {', '.join(KIND_KEYS)}, got {w.kind!r}")
+    w.__post_init__()
     if w.prompt_tokens is not None:  # derived once here, so every reader of prefix_tokens agrees
         w.prefix_tokens = w.prompt_tokens - w.suffix_tokens
     rules = [
@@ -183,12 +254,32 @@ def check(exp: Experiment, where: str = "experiment") -> None:
         (exp.max_active is None or exp.max_active >= 1, "max_active", "must be at least 1"),
         (exp.ready_timeout > 0, "ready_timeout", "must be positive"),
         (exp.request_timeout > 0, "request_timeout", "must be positive"),
-        (w.requests >= 1, "workload.requests", "must be at least 1"),
-        (w.prefix_tokens >= 0, "workload.prefix_tokens", "must be 0 or more"),
-        (w.suffix_tokens >= 0, "workload.suffix_tokens", "must be 0 or more"),
-        (w.prefix_tokens + w.suffix_tokens >= 1, "workload.suffix_tokens", "prompt must have a token"),
-        (w.output_tokens >= 1, "workload.output_tokens", "must be at least 1"),
+        (w.requests is None or w.requests >= 1, "workload.requests", "must be at least 1"),
+        (w.prefix_tokens is None or w.prefix_tokens >= 0, "workload.prefix_tokens", "must be 0 or more"),
+        (w.suffix_tokens is None or w.suffix_tokens >= 0, "workload.suffix_tokens", "must be 0 or more"),
+        (w.kind not in ("prefix", "random", "shared-prefix") or w.prefix_tokens + w.suffix_tokens >= 1,
+         "workload.suffix_tokens", "prompt must have a token"),
+        (w.output_tokens is None or w.output_tokens >= 1, "workload.output_tokens", "must be at least 1"),
         (w.arrival in ARRIVALS, "workload.arrival", f"must be one of {', '.join(ARRIVALS)}"),
+        (w.arrival != "trace" or w.kind in ("trace", "custom"), "workload.arrival",
+         "'trace' (the file's own timestamps) needs kind trace or custom"),
+        (w.lengths in LENGTHS, "workload.lengths", f"must be one of {', '.join(LENGTHS)}"),
+        (w.max_tokens is None or w.max_tokens >= 1, "workload.max_tokens", "must be at least 1"),
+        (w.kind not in ("trace", "custom") or bool(w.path), "workload.path", f"is needed by kind {w.kind!r}"),
+        (w.block_tokens >= 1, "workload.block_tokens", "must be at least 1"),
+        (w.scale > 0, "workload.scale", "must be positive"),
+        (w.block_tokens / w.scale >= 1, "workload.scale", "must leave a block of at least one token"),
+        (w.speedup > 0, "workload.speedup", "must be positive"),
+        (w.start >= 0, "workload.start", "must be 0 or more"),
+        (w.max_requests is None or w.max_requests >= 1, "workload.max_requests", "must be at least 1"),
+        (w.max_prompt_tokens is None or w.max_prompt_tokens >= 1, "workload.max_prompt_tokens",
+         "must be at least 1"),
+        (w.over in OVER, "workload.over", f"must be one of {', '.join(OVER)}"),
+        (0 <= w.range_ratio < 1, "workload.range_ratio", "must be in [0, 1)"),
+        (w.groups >= 1, "workload.groups", "must be at least 1"),
+        (w.prompts_per_group >= 1, "workload.prompts_per_group", "must be at least 1"),
+        (w.turns >= 1, "workload.turns", "must be at least 1"),
+        (w.think_time >= 0, "workload.think_time", "must be 0 or more"),
         (w.interval >= 0, "workload.interval", "must be 0 or more"),
         (w.rate is None or w.rate > 0, "workload.rate", "must be positive"),
         (w.arrival == "fixed" or w.rate is not None or w.interval > 0, "workload.rate",
@@ -199,6 +290,8 @@ def check(exp: Experiment, where: str = "experiment") -> None:
     for ok, key, msg in rules:
         if not ok:
             raise ExperimentError(f"{where}: key {key!r} {msg}")
+    if exp.goodput is not None:
+        exp.goodput = check_slo(exp.goodput, where)
     for p in exp.policies:
         try:
             check_policy(p)

@@ -6,15 +6,32 @@ ttft = first_token - arrival, e2el = finish - arrival, tpot = (e2el - ttft) / (o
 itl = the gaps between streamed chunks, pooled over requests. Percentiles interpolate linearly
 between ranks (numpy's default, as vLLM). max_send_delay_ms: how late the client sent its latest
 request against the schedule (a check that the client kept up).
+
+Traffic keys: hit_rate = cached / prompt tokens over completed requests that reported cached tokens (per
+backend in backend_hit_rate; None where none reported); buckets = TTFT and E2EL median/p95 and count per
+prompt-length bucket (edges BUCKET_EDGES: powers of 4, from 64 to 65536 tokens); with SLOs given,
+request_goodput = vLLM's goodput: completed requests meeting every SLO (ttft, tpot, e2el in ms, each at most
+its bound; a one-token reply has tpot 0, as in vLLM) per second of duration, good_requests their count, and
+slo the SLOs themselves.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mvllm.errors import MvllmError
+
 PERCENTILES = (95, 99)
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+BUCKET_EDGES = (64, 256, 1024, 4096, 16384, 65536)  # prompt tokens; powers of 4
+
+
+class SloError(MvllmError):
+    pass
 
 
 @dataclass(slots=True)
@@ -30,6 +47,10 @@ class RequestRecord:
     output_tokens: int = 0
     chunks: list[float] = field(default_factory=list)
     error: str = ""
+    max_tokens: int | None = None  # the cap the client sent (None: none)
+    target_tokens: int | None = None  # the workload's true length: where the request was to end
+    finish_reason: str = ""
+    parent: int | None = None  # a follow-up turn: the request it follows
 
     @property
     def ok(self) -> bool:
@@ -80,9 +101,90 @@ def stats(name: str, values_s: list[float]) -> dict:
     return out
 
 
-def summarize(records: list[RequestRecord], duration: float | None = None) -> dict:
+def parse_slo(items: Iterable[str]) -> dict[str, float]:
+    """vLLM's `--goodput KEY:MS` pairs (KEY ttft, tpot or e2el; repeated, or several in one value apart by
+    spaces or commas) as {"ttft_ms": MS, ...}."""
+    out: dict[str, float] = {}
+    for item in items:
+        for pair in re.split(r"[\s,]+", item.strip()):
+            if not pair:
+                continue
+            name, sep, value = pair.partition(":")
+            key = name if name.endswith("_ms") else f"{name}_ms"
+            if not sep:
+                raise SloError(f"--goodput {pair!r}: expected KEY:MS (vLLM's form), e.g. --goodput ttft:500")
+            if key not in SLO_KEYS:
+                raise SloError(f"--goodput {pair!r}: unknown metric {name!r}; give KEY:MS with KEY one of ttft, "
+                               "tpot, e2el, e.g. --goodput ttft:500 --goodput e2el:5000")
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = math.nan
+            if not 0 < ms < math.inf:
+                raise SloError(f"--goodput {pair!r}: the bound must be a positive number of milliseconds, "
+                               f"e.g. {name}:500")
+            out[key] = ms
+    return out
+
+
+def check_slo(slo, where: str) -> dict[str, float]:
+    """The experiment file's `goodput` table (e.g. {ttft_ms = 500, e2el_ms = 5000}): known keys, positive ms."""
+    if not isinstance(slo, dict):
+        raise SloError(f"{where}: key 'goodput' must be a table such as {{ttft_ms = 500, e2el_ms = 5000}}, "
+                       f"got {slo!r}")
+    for key, value in slo.items():
+        if key not in SLO_KEYS:
+            raise SloError(f"{where}: unknown key 'goodput.{key}'; known: "
+                           f"{', '.join('goodput.' + k for k in SLO_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise SloError(f"{where}: key 'goodput.{key}' must be a positive number of milliseconds, got {value!r}")
+    return {k: float(v) for k, v in slo.items()}
+
+
+def meets(slo: dict[str, float], r: RequestRecord) -> bool:
+    """A completed request within every SLO given (vLLM's rule: a one-token reply's tpot counts as 0)."""
+    got = {"ttft_ms": 1000.0 * r.ttft, "tpot_ms": 1000.0 * (r.tpot or 0.0), "e2el_ms": 1000.0 * r.e2el}
+    return all(got[k] <= bound for k, bound in slo.items())
+
+
+def hit_rates(done: list[RequestRecord]) -> tuple[float | None, dict[str, float | None]]:
+    """(overall, per backend) cached / prompt tokens over the requests that reported cached tokens."""
+    sums: dict[str, list[int]] = {}
+    for r in done:
+        c = sums.setdefault(r.backend, [0, 0])
+        if r.cached_tokens is not None:
+            c[0] += r.cached_tokens
+            c[1] += r.prompt_tokens
+    cached, prompt = sum(c for c, _ in sums.values()), sum(p for _, p in sums.values())
+    per = {b: (c / p if p else None) for b, (c, p) in sorted(sums.items())}
+    return (cached / prompt if prompt else None), per
+
+
+def bucket_label(i: int) -> str:
+    lo = 0 if i == 0 else BUCKET_EDGES[i - 1]
+    return f"{lo}+" if i == len(BUCKET_EDGES) else f"{lo}-{BUCKET_EDGES[i] - 1}"
+
+
+def buckets(done: list[RequestRecord]) -> list[dict]:
+    """TTFT and E2EL median and p95 (ms) and the count of each prompt-length bucket that holds a request."""
+    groups: dict[int, list[RequestRecord]] = {}
+    for r in done:
+        groups.setdefault(sum(r.prompt_tokens >= e for e in BUCKET_EDGES), []).append(r)
+    out = []
+    for i, rs in sorted(groups.items()):
+        b = {"prompt_tokens": bucket_label(i), "lo": 0 if i == 0 else BUCKET_EDGES[i - 1],
+             "hi": BUCKET_EDGES[i] if i < len(BUCKET_EDGES) else None, "count": len(rs)}
+        for name in ("ttft", "e2el"):
+            ms = [1000.0 * getattr(r, name) for r in rs]
+            b[f"median_{name}_ms"], b[f"p95_{name}_ms"] = percentile(ms, 50), percentile(ms, 95)
+        out.append(b)
+    return out
+
+
+def summarize(records: list[RequestRecord], duration: float | None = None, slo: dict | None = None) -> dict:
     """The run summary. `duration` is the replay's wall time (start to the last response, done or
-    failed); makespan is the batch completion time: first send to the last completed response."""
+    failed); makespan is the batch completion time: first send to the last completed response. `slo`
+    ({"ttft_ms": 500, ...}, any subset) adds goodput."""
     done = [r for r in records if r.ok]
     ends = [r.finish if r.finish is not None else r.arrival for r in records]
     if duration is None:
@@ -114,4 +216,9 @@ def summarize(records: list[RequestRecord], duration: float | None = None) -> di
         cached[r.backend] = cached.get(r.backend, 0) + (r.cached_tokens or 0)
     s["backend_cached_tokens"] = dict(sorted(cached.items()))
     s["total_cached_tokens"] = sum(cached.values())
+    s["hit_rate"], s["backend_hit_rate"] = hit_rates(done)
+    s["buckets"] = buckets(done)
+    if slo:
+        good = sum(meets(slo, r) for r in done)
+        s.update(request_goodput=good / per, good_requests=good, slo=dict(slo))
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.items()}

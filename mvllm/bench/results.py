@@ -27,7 +27,8 @@ from mvllm.bench.metrics import RequestRecord
 from mvllm.errors import MvllmError
 
 CSV_COLUMNS = ("id", "backend", "arrival", "sent", "first_token", "finish", "ttft_ms", "tpot_ms", "e2el_ms",
-               "prompt_tokens", "cached_tokens", "output_tokens", "error", "itl_ms")
+               "prompt_tokens", "cached_tokens", "output_tokens", "error", "itl_ms", "max_tokens", "target_tokens",
+               "finish_reason", "parent")
 BASELINE = "gpu-only"
 
 
@@ -54,7 +55,8 @@ def write_requests(path: Path, records: list[RequestRecord]) -> None:
             w.writerow([r.id, r.backend, repr(r.arrival), _num(r.sent), _num(r.first_token), _num(r.finish),
                         ms(r.ttft) if ok else "", ms(r.tpot) if ok else "", ms(r.e2el) if ok else "",
                         r.prompt_tokens, "" if r.cached_tokens is None else r.cached_tokens, r.output_tokens,
-                        r.error, " ".join(f"{1000.0 * x:.4f}" for x in r.itl)])
+                        r.error, " ".join(f"{1000.0 * x:.4f}" for x in r.itl), _num(r.max_tokens),
+                        _num(r.target_tokens), r.finish_reason, _num(r.parent)])
 
 
 def _num(x) -> str:
@@ -83,6 +85,35 @@ def request_rows(folder: Path) -> list[dict]:
         raise ResultsError(f"{folder} holds no requests.csv (nor requests.csv.gz)")
     with open_text(path) as f:
         return list(csv.DictReader(f))
+
+
+def _value(row: dict, key: str, kind=float):
+    """One CSV cell as `kind`, None where empty or absent (an older CSV lacks the later columns)."""
+    v = row.get(key)
+    if v is None or v == "" or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return kind(float(v)) if kind is int else kind(v)
+
+
+def records_from_rows(rows: list[dict]) -> list[RequestRecord]:
+    """The request records back from requests.csv rows (request_rows, or a DataFrame's to_dict("records")):
+    every field write_requests saves; the chunk times rebuilt from the first token and the ITL gaps."""
+    out = []
+    for row in rows:
+        first = _value(row, "first_token")
+        gaps = [float(x) / 1000.0 for x in str(row.get("itl_ms") or "").split()] if first is not None else []
+        chunks = [first] if first is not None else []
+        for g in gaps:
+            chunks.append(chunks[-1] + g)
+        out.append(RequestRecord(
+            id=_value(row, "id", int), arrival=_value(row, "arrival"), sent=_value(row, "sent"), first_token=first,
+            finish=_value(row, "finish"), prompt_tokens=_value(row, "prompt_tokens", int) or 0,
+            backend=_value(row, "backend", str) or "", cached_tokens=_value(row, "cached_tokens", int),
+            output_tokens=_value(row, "output_tokens", int) or 0, chunks=chunks,
+            error=_value(row, "error", str) or "", max_tokens=_value(row, "max_tokens", int),
+            target_tokens=_value(row, "target_tokens", int), finish_reason=_value(row, "finish_reason", str) or "",
+            parent=_value(row, "parent", int)))
+    return out
 
 
 def write_json(path: Path, data) -> None:
@@ -119,10 +150,14 @@ def experiments_in(root: Path) -> list[Path]:
 
 
 META = ("run", "value", "max_active", "start_time")
+PER_BACKEND = ("backend_hit_rate",)  # aggregated per backend, as "backend_hit_rate.gpu"
 
 
 def _numeric(s: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in s.items()
+    flat = dict(s)
+    for name in PER_BACKEND:
+        flat.update({f"{name}.{b}": v for b, v in (s.get(name) or {}).items()})
+    return {k: float(v) for k, v in flat.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in META}
 
 
@@ -131,8 +166,9 @@ def _key(s: dict):
 
 
 def aggregate(summaries: list[dict]) -> list[dict]:
-    """One row per (sweep value, policy): mean, std, min, max over runs of every numeric metric, the
-    per-run backend counts, and each metric's mean change in percent against gpu-only (same value)."""
+    """One row per (sweep value, policy): mean, std, min, max over runs of every numeric metric (each
+    backend's hit rate as backend_hit_rate.NAME), the per-run backend counts, and each metric's mean change in
+    percent against gpu-only (same value)."""
     groups: dict = {}
     for s in summaries:
         groups.setdefault(_key(s), []).append(s)

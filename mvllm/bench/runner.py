@@ -22,7 +22,7 @@ from mvllm.bench.experiment import Experiment, ExperimentError, check_policy, fi
 from mvllm.bench.metrics import summarize
 from mvllm.bench.process import ServerError, ServerProcess
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
-from mvllm.bench.workload import build, vocab_of
+from mvllm.bench.workload import build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
 
 EXTERNAL = "external"
@@ -138,7 +138,8 @@ class Servers:
 def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | None, folder: Path, label: str,
             console: Console, quiet: bool) -> dict:
     vocab = vocab_of(exp.model, exp.workload)
-    prefix, requests = build(exp.workload, vocab)
+    built = build_all(exp.workload, vocab, exp.model)
+    prefix, requests = built.prefix if exp.workload.warm else [], built.requests
     meta = {"warm_cached_tokens": None}
     server = None
     try:
@@ -151,10 +152,11 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
                     meta["warm_cached_tokens"] = server.warm(prefix)
             url = server.url
         model = served_model(url) or exp.model
+        stop = "disconnect" if server is None else "field"  # any OpenAI server: stop reading at the length
         display = RunDisplay(console, label, len(requests))
         with display if not quiet else nullcontext():
             records, duration, start = asyncio.run(replay(url, model, requests, exp.request_timeout,
-                                                   None if quiet else display.done))
+                                                   None if quiet else display.done, stop, vocab))
     finally:
         if servers is not None and servers.mode == "fresh":
             servers.stop()
@@ -163,7 +165,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
             f.seek(offset)
             (folder / "routing.jsonl").write_bytes(f.read())
         servers.unsliced = False
-    workload = asdict(exp.workload) | {"requests": len(requests)}
+    workload = asdict(exp.workload) | {"requests": len(requests), "stop": stop if exp.workload.hidden else None}
     summary = {"experiment": exp.name, "policy": policy, "model": exp.model,
                "backends": backend_text(exp) if server else None, "max_active": exp.max_active,
                "url": url if server is None else None, "profile": str(servers.profile) if server and servers.profile
@@ -171,6 +173,19 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
     summary.update(summarize(records, duration))
     write_requests(folder / "requests.csv", records)
     return summary
+
+
+def selections(exp: Experiment, console: Console, quiet: bool) -> dict:
+    """What each sweep point's workload selected (built here once, so a bad trace fails before any server
+    starts), printed; saved as workload.json ({value: selection} for a sweep)."""
+    out = {}
+    for value, point in exp.points():
+        sel = build_all(point.workload, vocab_of(point.model, point.workload), point.model).selection
+        if not quiet:
+            console.print(f"[dim]{'' if value is None else f'{exp.sweep.knob}={value}: '}{selection_line(sel)}[/dim]",
+                          highlight=False)
+        out[str(value)] = sel
+    return out[str(None)] if exp.sweep is None else out
 
 
 def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: int | None = None,
@@ -192,6 +207,7 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     if exp.path is not None and exp.path.resolve() != (out / "experiment.toml").resolve():
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
+    write_json(out / "workload.json", selections(exp, console, quiet))
     profile = find_profile(exp, out, lambda e, path: measure(e, path, console)) if url is None else None
     servers = Servers(exp.server, out, profile) if url is None else None
     total = len(exp.points()) * len(policies) * runs

@@ -19,6 +19,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    # benchmark only: end the sequence after this many tokens with finish_reason "stop", as if the model had
+    # emitted EOS there (a replayed request's true length); nothing that routes or schedules reads it
+    stop_at: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -36,6 +39,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
                 bad(name, f"must be a finite number, got {value!r}")
+        if self.stop_at is not None and (not _is_int(self.stop_at) or not 1 <= self.stop_at < 2**63):
+            bad("benchmark_length", f"must be a positive integer, got {self.stop_at!r}")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if not all(_is_int(t) for t in self.stop_token_ids):

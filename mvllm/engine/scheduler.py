@@ -151,12 +151,16 @@ class Scheduler:
         self._finish(seq, "error", now)
 
     def _done(self, seq: Sequence) -> bool:
-        return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
+        p = seq.params
+        return (seq.num_output_tokens >= min(p.max_tokens, p.stop_at or p.max_tokens)
+                or len(seq) >= self.max_model_len)
 
     def _stop_reason(self, seq: Sequence, token: int, length: int) -> str | None:
         """Why seq ends with `token`, its length-th token (a later PENDING one may follow it in overlap)."""
         p, n = seq.params, length - seq.num_prompt_tokens
         if n >= p.min_tokens and ((not p.ignore_eos and token in self.eos) or token in p.stop_token_ids):
+            return "stop"
+        if p.stop_at is not None and n >= p.stop_at:
             return "stop"
         if n >= p.max_tokens or length >= self.max_model_len:
             return "length"

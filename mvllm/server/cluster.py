@@ -103,7 +103,8 @@ class Cluster:
                     self._put(rid, Event(token=token, finish_reason=reason))
             case Error(rid, message):
                 self._ended(name, rid, Event(error=message))
-            case Aborted(rid):
+            case Aborted(rid, generated, at):
+                self.router.note({"aborted": rid, "backend": name, "generated": generated, "time": at})
                 self._ended(name, rid, Event(finish_reason="abort"))
             case Done(rid, reason):  # a remote's request ended after its last token
                 self._done(name, rid, reason)

@@ -30,13 +30,15 @@ class SamplingFields(BaseModel):
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    benchmark_length: int | None = None  # benchmark only (mvllm bench, lengths hidden): SamplingParams.stop_at
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k if self.top_k != 0 else -1, seed=self.seed,
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                              stop_token_ids=list(self.stop_token_ids or []), stop=stop)
+                              stop_token_ids=list(self.stop_token_ids or []), stop=stop,
+                              stop_at=self.benchmark_length)
 
     @property
     def include_usage(self) -> bool:
