@@ -16,6 +16,8 @@ POLICY_NAMES = ", ".join(POLICIES)
 MODEL_HELP = "Model spec (see `mvllm generate --help`)."
 BACKENDS = "NAME=DEVICE[/KEY=VALUE]... comma-separated, e.g. gpu=cuda,cpu=cpu/threads=8"
 DEFAULT_BACKENDS = "(default: a GPU if present, and the CPU)"
+GOODPUT_HELP = ("An SLO as vLLM's KEY:MS, KEY one of ttft, tpot, e2el; repeat it, or give several in one value "
+                "(\"ttft:500 e2el:5000\"). Goodput: completed requests per second meeting every one.")
 
 app = typer.Typer(help="Serve a language model on CPU and GPU backends at once, and benchmark how whole "
                        "requests should be routed between them.", no_args_is_help=True,
@@ -164,6 +166,7 @@ def bench(
     model: str = typer.Option(None, help="Model for the default experiment (ignored with a file)."),
     quiet: bool = typer.Option(False, "--quiet", help="No live display or tables."),
     json_out: bool = typer.Option(False, "--json", help="Print the aggregate as JSON on stdout."),
+    goodput: list[str] = typer.Option(None, help=GOODPUT_HELP + " Replaces the experiment's `goodput` table."),
 ):
     """Replay a workload against mvllm servers it starts, policy against policy, and save what a user would feel:
     TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
@@ -171,9 +174,12 @@ def bench(
     from pathlib import Path
 
     from mvllm.bench import experiment as ex
+    from mvllm.bench.metrics import parse_slo
     from mvllm.bench.runner import bench as run
 
     exp = ex.load(experiment) if experiment else ex.default(model)
+    if goodput:
+        exp.goodput = parse_slo(goodput)
     policies = [p.strip() for p in policy.split(",") if p.strip()] if policy else None
     rows = run(exp, Path(out) if out else Path("results") / exp.name, policies, runs, url, console,
                quiet or json_out)
@@ -261,13 +267,17 @@ def report(
     folder: str = typer.Argument(None, help="One experiment's results folder (default: every experiment "
                                             "under results/)."),
     out: str = typer.Option(None, help="Where charts and summary.md go (default: <folder>/report)."),
+    goodput: list[str] = typer.Option(None, help=GOODPUT_HELP + " Recomputed from every run's requests.csv, "
+                                                 "in place of what bench saved."),
 ):
     """Draw the charts (PNG) and write a markdown summary from saved results alone."""
     from pathlib import Path
 
+    from mvllm.bench.metrics import parse_slo
     from mvllm.report import report_all
 
-    for path in report_all(Path(folder) if folder else None, Path(out) if out else None):
+    slo = parse_slo(goodput) if goodput else None
+    for path in report_all(Path(folder) if folder else None, Path(out) if out else None, slo=slo):
         console.print(f"wrote {path}", highlight=False)
 
 

@@ -64,8 +64,8 @@ def run_line(label: str, s: dict) -> str:
     ttft = s.get("median_ttft_ms")
     ttft = f"{ttft:.0f} ms" if ttft is not None else "-"
     failed = f", [red]{s['failed']} failed[/red]" if s.get("failed") else ""
-    hits = ", ".join(f"{k} {percent(v)}" for k, v in (s.get("backend_hit_rate") or {}).items())
-    hits = f"; prefix hit rate {percent(s.get('hit_rate'))}" + (f" ({hits})" if hits else "") if "hit_rate" in s else ""
+    each = ", ".join(f"{k} {percent(v)}" for k, v in (s.get("backend_hit_rate") or {}).items())
+    hits = f"; prefix hit rate {percent(s['hit_rate'])}" + (f" ({each})" if each else "") if "hit_rate" in s else ""
     good = ""
     if s.get("slo"):
         slo = ", ".join(f"{k.removesuffix('_ms')} {v:g} ms" for k, v in s["slo"].items())
@@ -113,7 +113,7 @@ def table(rows: list[dict], title: str) -> Table:
         cells = [str(r["value"])] if knob else []
         cells += [r["policy"], str(r["runs"])]
         for key, _, scale, fmt in columns:
-            change = r["change_vs_gpu_only"].get(key) if r["policy"] != BASELINE else None
+            change = r["change_vs_gpu_only"].get(key) if r["policy"] != BASELINE and key != "hit_rate" else None
             cells.append(_cell(r["metrics"].get(key), change, scale, fmt))
         cells.append(backend_hits(r["metrics"]).replace(", ", "\n"))
         cells.append("\n".join(", ".join(f"{k} {v}" for k, v in b.items()) or "-" for b in r["backend_requests"]))

@@ -81,6 +81,7 @@ class Workload:
     prompts_per_group: int = 4
     turns: int = 1
     think_time: float = 0.0
+    output_from: str | None = None
 
     def __post_init__(self):
         for key, value in KIND_DEFAULTS.get(self.kind, {}).items():  # an unknown kind is refused by check()
@@ -100,9 +101,10 @@ class Workload:
 COMMON_KEYS = ("kind", "arrival", "interval", "rate", "burstiness", "seed", "warm", "vocab", "duration", "lengths",
                "max_tokens", "max_prompt_tokens", "over")
 KIND_KEYS = {
-    "prefix": ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "prompt_tokens"),
+    "prefix": ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "prompt_tokens", "output_from",
+               "scale"),
     "trace": ("path", "block_tokens", "scale", "speedup", "start", "max_requests"),
-    "random": ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "range_ratio"),
+    "random": ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "range_ratio", "output_from", "scale"),
     "shared-prefix": ("groups", "prompts_per_group", "prefix_tokens", "suffix_tokens", "output_tokens",
                       "range_ratio", "turns", "think_time"),
     "custom": ("path", "speedup", "max_requests"),
@@ -197,6 +199,11 @@ def load(path: str | Path) -> Experiment:
         raise ExperimentError(f"{path}: not valid TOML: {e}") from None
     exp = from_dict(data, str(path))
     exp.path = path
+    w = exp.workload
+    for key in ("path", "output_from"):  # a file relative to the current folder, else to the experiment file
+        name = getattr(w, key)
+        if name and not Path(name).expanduser().exists() and (path.parent / name).exists():
+            setattr(w, key, str(path.parent / name))
     return exp
 
 

@@ -10,6 +10,8 @@
   followed by turns whose prompt is the turn before's prompt, its reply and a new question, sent
   `think_time` seconds after that reply ends.
 Ids are given so that a parent's is below its turns'; first turns take the arrival process's times in id order.
+prefix and random take `output_from` (a Mooncake trace): output lengths drawn from its `output_length`s (seeded,
+divided by `scale`) instead of `output_tokens`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,24 @@ def _around(rng: random.Random, mean: int, ratio: float) -> int:
     return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio)))) if ratio else max(1, mean)
 
 
+def _outputs(w: Workload, n: int) -> list[int] | None:
+    """Output lengths drawn from `output_from`'s distribution, or None where the workload names no trace."""
+    if not w.output_from:
+        return None
+    from mvllm.bench.traces import output_lengths
+
+    pool = output_lengths(w.output_from)
+    rng = random.Random(f"outputs-{w.seed}")
+    return [max(1, round(rng.choice(pool) / w.scale)) for _ in range(n)]
+
+
 def prefix(w: Workload, vocab: int, model: str | None = None) -> Built:
     """Prompts depend only on the seed and the lengths, not on arrivals."""
     rng = random.Random(f"prompts-{w.seed}")
     shared = _tokens(rng, w.prefix_tokens, vocab)
-    reqs = [Request(i, shared + _tokens(rng, w.suffix_tokens, vocab), w.output_tokens, t)
-            for i, t in enumerate(arrivals(w))]
+    times = arrivals(w)
+    outs = _outputs(w, len(times)) or [w.output_tokens] * len(times)
+    reqs = [Request(i, shared + _tokens(rng, w.suffix_tokens, vocab), outs[i], t) for i, t in enumerate(times)]
     return Built(shared, reqs)
 
 
@@ -44,9 +58,12 @@ def random_lengths(w: Workload, vocab: int, model: str | None = None) -> Built:
     shared = _tokens(rng, w.prefix_tokens, vocab)
     context = context_of(model) if model else None
     reqs, dropped = [], 0
-    for t in arrivals(w):
+    times = arrivals(w)
+    drawn = _outputs(w, len(times))
+    for i, t in enumerate(times):
         n, out = w.prefix_tokens + _around(rng, w.suffix_tokens, w.range_ratio), _around(rng, w.output_tokens,
                                                                                        w.range_ratio)
+        out = drawn[i] if drawn else out
         prompt = shared + _tokens(rng, n - w.prefix_tokens, vocab)
         keep = fit(n, out, w, context)
         if keep is None:

@@ -108,6 +108,15 @@ def mooncake(w: Workload, vocab: int, model: str | None = None) -> Built:
     return Built([], reqs, selection)
 
 
+def output_lengths(path: str) -> list[int]:
+    """Every `output_length` of a Mooncake trace (for workloads that draw their lengths from it)."""
+    out = [_int(row, "output_length", f"{path}:{n}", 1) for n, row in _lines(path, "output_from")
+           if isinstance(row, dict)]
+    if not out:
+        raise ExperimentError(f"key 'workload.output_from': {path} holds no request")
+    return out
+
+
 def custom(w: Workload, vocab: int, model: str | None = None) -> Built:
     tokenizer = None
     rows, dropped, clipped, path = [], 0, 0, Path(w.path)

@@ -105,14 +105,14 @@ def _bands(res: Results) -> dict[tuple, tuple[float, tuple[float, float]]]:
             for s in runs_in(folder) if "band" in s}
 
 
-def _ecdf(ax, values: list[float], color: str, label: str) -> None:
+def ecdf(ax, values: list[float], color: str, label: str) -> None:
     xs = np.sort(np.asarray(values, dtype=float))
     ys = np.arange(1, len(xs) + 1) / len(xs)
     ax.step(np.concatenate([[xs[0]], xs]), np.concatenate([[0.0], ys]), where="post", color=color, lw=2,
             label=label)
 
 
-def _num(x: float) -> str:
+def num(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
@@ -130,7 +130,7 @@ def latency(res: Results, path, value=None) -> None:
             if not xs:
                 continue
             med, p95 = np.percentile(xs, 50), np.percentile(xs, 95)
-            _ecdf(ax, xs, policy_color(p, pols), f"{p}: median {_num(med)} {unit}, p95 {_num(p95)} {unit}")
+            ecdf(ax, xs, policy_color(p, pols), f"{p}: median {num(med)} {unit}, p95 {num(p95)} {unit}")
         for q, name in ((0.5, "median"), (0.95, "p95")):
             ax.axhline(q, color="grey", ls=":", lw=1)
             ax.annotate(name, (1.0, q), xycoords=("axes fraction", "data"), xytext=(3, 0),

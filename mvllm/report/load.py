@@ -1,5 +1,7 @@
 """Read one experiment's results folder: run summaries, per-request CSVs, routing logs, environments (the
-per-run CSV and log plain or gzipped: requests.csv or requests.csv.gz, routing.jsonl or routing.jsonl.gz)."""
+per-run CSV and log plain or gzipped: requests.csv or requests.csv.gz, routing.jsonl or routing.jsonl.gz).
+Summary keys a run's bench did not save yet (hit rates, prompt-length buckets) are derived from its
+requests.csv; with SLOs given, goodput is recomputed from it for every run."""
 
 from __future__ import annotations
 
@@ -9,7 +11,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from mvllm.bench.results import BASELINE, ResultsError, find_file, open_text, read_json, runs_in, value_order
+from mvllm.bench.metrics import RequestRecord, summarize
+from mvllm.bench.results import (
+    BASELINE,
+    ResultsError,
+    find_file,
+    open_text,
+    read_json,
+    records_from_rows,
+    runs_in,
+    value_order,
+)
 from mvllm.routing.policies import split_k
 
 
@@ -19,6 +31,8 @@ class Run:
     requests: pd.DataFrame
     routing: list[dict]
     env: dict
+    folder: Path | None = None
+    records: list[RequestRecord] = field(default_factory=list)
 
     @property
     def policy(self) -> str:
@@ -90,7 +104,23 @@ def _routing(path: Path | None) -> list[dict]:
     return out
 
 
-def load(folder: Path) -> Results:
+DERIVED = ("hit_rate", "backend_hit_rate", "buckets")  # summary keys older benches did not save
+GOODPUT = ("request_goodput", "good_requests", "slo")
+NA = ("sent", "first_token", "finish", "ttft_ms", "tpot_ms", "e2el_ms", "cached_tokens", "max_tokens",
+      "target_tokens", "parent")
+
+
+def derive(run: Run, slo: dict | None = None) -> None:
+    """Fill the summary keys an older bench did not save from the run's requests; with `slo`, put goodput
+    under those SLOs in place of any saved."""
+    missing = [k for k in DERIVED if k not in run.summary]
+    if not missing and not slo:
+        return
+    s = summarize(run.records, run.summary.get("duration"), slo)
+    run.summary.update({k: s[k] for k in missing + (list(GOODPUT) if slo else [])})
+
+
+def load(folder: Path, slo: dict | None = None) -> Results:
     if not folder.is_dir():
         raise ResultsError(f"results folder {folder} does not exist")
     summaries = runs_in(folder)
@@ -102,10 +132,12 @@ def load(folder: Path) -> Results:
         csv = find_file(d, "requests.csv")
         if csv is None:
             raise ResultsError(f"{d} has a summary.json but no requests.csv (nor requests.csv.gz)")
-        df = pd.read_csv(csv, keep_default_na=False, na_values={c: [""] for c in
-                         ("sent", "first_token", "finish", "ttft_ms", "tpot_ms", "e2el_ms", "cached_tokens")})
-        df["backend"] = df["backend"].astype(str)
-        df["error"] = df["error"].astype(str)
+        df = pd.read_csv(csv, keep_default_na=False, na_values={c: [""] for c in NA})
+        for col in ("backend", "error", "finish_reason"):
+            if col in df:
+                df[col] = df[col].astype(str)
         env = s.get("environment") or (read_json(d / "env.json") if (d / "env.json").is_file() else {})
-        res.runs.append(Run(s, df, _routing(find_file(d, "routing.jsonl")), env))
+        run = Run(s, df, _routing(find_file(d, "routing.jsonl")), env, d, records_from_rows(df.to_dict("records")))
+        derive(run, slo)
+        res.runs.append(run)
     return res

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mvllm.bench.results import BASELINE, aggregate
+from mvllm.bench.metrics import buckets
+from mvllm.bench.results import BASELINE, aggregate, read_json
 from mvllm.report.load import Results
 from mvllm.report.style import devices
 
@@ -16,7 +17,10 @@ COLUMNS = (  # (metric, header, scale, digits)
     ("median_e2el_ms", "median E2EL (s)", 1e-3, 2),
     ("p95_e2el_ms", "p95 E2EL (s)", 1e-3, 2),
     ("median_tpot_ms", "median TPOT (ms)", 1.0, 1),
+    ("hit_rate", "prefix hit rate (%)", 100.0, 1),
 )
+GOODPUT = ("request_goodput", "goodput (req/s)", 1.0, 2)  # a column where SLOs were given
+NO_CHANGE = ("hit_rate",)  # a change in percent of a percentage reads wrong; the values are beside each other
 
 
 def _fmt(x, scale: float, digits: int) -> str:
@@ -33,6 +37,60 @@ def _counts(d: dict) -> str:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
+
+
+def _hits(rates: dict) -> str:
+    return ", ".join(f"{k} {'-' if v is None else _pct(v)}" for k, v in rates.items()) or "-"
+
+
+def _mean_hits(metrics: dict) -> str:
+    """Each backend's mean hit rate over runs (the aggregate's backend_hit_rate.NAME)."""
+    return _hits({k.split(".", 1)[1]: m["mean"] for k, m in metrics.items() if k.startswith("backend_hit_rate.")})
+
+
+def _workload(res: Results) -> str:
+    """The workload in one line: the reference's own words for kind prefix, else the selection bench saved
+    (workload.json) or the experiment's settings."""
+    w = res.first.summary.get("workload", {})
+    if w.get("kind", "prefix") == "prefix":
+        return (f"{w.get('requests')} requests of {w.get('prefix_tokens')} shared-prefix + "
+                f"{w.get('suffix_tokens')} unique tokens, {w.get('output_tokens')} output tokens (EOS ignored), "
+                f"{w.get('arrival')} arrivals" + (f" every {w.get('interval')} s" if w.get("arrival") == "fixed" else
+                                                  f" at {w.get('rate')} req/s, burstiness {w.get('burstiness')}")
+                + f", seed {w.get('seed')}; prefix warmed: {'yes' if w.get('warm') else 'no'}")
+    folder = res.first.folder
+    sel = read_json(folder / "workload.json") if folder and (folder / "workload.json").is_file() else {}
+    text = f"kind {w.get('kind')}" + (f" ({w['path']})" if w.get("path") else "")
+    if not sel:
+        return text + f", {w.get('requests')} requests, {w.get('arrival')} arrivals, lengths {w.get('lengths')}"
+
+    def q(d: dict) -> str:
+        return "-" if not d else f"p50 {d.get('p50', 0):.0f}, p99 {d.get('p99', 0):.0f}, max {d.get('max', 0):.0f}"
+
+    rate = sel.get("rate_per_s")
+    return (text + f": {sel.get('requests')} requests ({sel.get('first_turns')} first turns) over "
+            f"{sel.get('span_s', 0):.1f} s" + (f", {rate:.2f} req/s" if rate else "") +
+            f"; prompt tokens {q(sel.get('prompt_tokens'))}; output tokens {q(sel.get('output_tokens'))}; "
+            f"lengths {sel.get('lengths')} (cap {sel.get('max_tokens') or 'none'}); reusable prompt share "
+            f"{_pct(sel.get('reusable_prompt_share') or 0)}")
+
+
+def _buckets(res: Results) -> list[str]:
+    """TTFT and E2EL by prompt-length bucket per policy, every run's requests pooled; only where the
+    prompts fall in more than one bucket."""
+    groups = {(v, p): buckets([r for run in res.select(p, v) for r in run.records if r.ok])
+              for v in res.values for p in res.policies if res.select(p, v)}
+    if all(len(b) <= 1 for b in groups.values()):
+        return []
+    head = ([res.knob] if res.knob else []) + ["policy", "prompt tokens", "requests", "median TTFT (ms)",
+                                               "p95 TTFT (ms)", "median E2EL (s)", "p95 E2EL (s)"]
+    lines = ["", "## Latency by prompt length", "", "Every run's completed requests pooled per policy; buckets "
+             "of prompt tokens at powers of 4.", "", _row(head), _row(["---"] * len(head))]
+    for (v, p), bs in groups.items():
+        lines += [_row(([v] if res.knob else []) + [p, b["prompt_tokens"], b["count"], f"{b['median_ttft_ms']:.0f}",
+                        f"{b['p95_ttft_ms']:.0f}", f"{b['median_e2el_ms'] / 1e3:.2f}",
+                        f"{b['p95_e2el_ms'] / 1e3:.2f}"]) for b in bs]
+    return lines
 
 
 def _oracle(res: Results, entries: list[dict]) -> list[str]:
@@ -77,28 +135,30 @@ def _oracle(res: Results, entries: list[dict]) -> list[str]:
 
 def markdown(res: Results, charts: list[Path], notes: list[str], oracles: list[dict] = ()) -> str:
     s, env = res.first.summary, res.first.env
-    w = s.get("workload", {})
     lines = [f"# {res.name}", ""]
     lines += [f"- model: `{s.get('model')}`; backends: `{s.get('backends') or s.get('url')}` "
               f"(max {s.get('max_active')} active each)",
               f"- devices: {devices(env, s)}",
-              f"- workload: {w.get('requests')} requests of {w.get('prefix_tokens')} shared-prefix + "
-              f"{w.get('suffix_tokens')} unique tokens, {w.get('output_tokens')} output tokens (EOS ignored), "
-              f"{w.get('arrival')} arrivals" + (f" every {w.get('interval')} s" if w.get("arrival") == "fixed" else
-                                                f" at {w.get('rate')} req/s, burstiness {w.get('burstiness')}")
-              + f", seed {w.get('seed')}; prefix warmed: {'yes' if w.get('warm') else 'no'}",
+              f"- workload: {_workload(res)}",
               f"- measured: {env.get('date', '?')}, torch {env.get('torch', '?')}, "
               f"git {str(env.get('git_commit') or '?')[:12]}"]
+    slos = {tuple(x.summary["slo"].items()) for x in res.runs if x.summary.get("slo")}
+    if slos:
+        said = "; ".join(", ".join(f"{k.removesuffix('_ms')} {v:g} ms" for k, v in slo) for slo in sorted(slos))
+        lines.append(f"- goodput: completed requests per second within every SLO ({said}; a one-token reply's "
+                     "TPOT counts as 0, as in vLLM)" + (": the runs differ in their SLOs" if len(slos) > 1 else ""))
     if res.knob:
         lines.append(f"- sweep: `{res.knob}` over {', '.join(map(str, res.values))}")
     lines += ["", "## Means over runs", "",
               "Mean ± standard deviation over runs; in brackets the change of the mean against gpu-only.", ""]
-    head = ([res.knob] if res.knob else []) + ["policy", "runs"] + [c[1] for c in COLUMNS] + ["requests per backend"]
+    columns = COLUMNS + ((GOODPUT,) if slos else ())
+    head = ([res.knob] if res.knob else []) + ["policy", "runs"] + [c[1] for c in columns] + [
+        "hit rate per backend", "requests per backend"]
     lines += [_row(head), _row(["---"] * len(head))]
     for r in aggregate([x.summary for x in res.runs]):
         cells = [r["value"]] if res.knob else []
         cells += [r["policy"], r["runs"]]
-        for key, _, scale, digits in COLUMNS:
+        for key, _, scale, digits in columns:
             m = r["metrics"].get(key)
             if m is None:
                 cells.append("-")
@@ -107,21 +167,25 @@ def markdown(res: Results, charts: list[Path], notes: list[str], oracles: list[d
             if m["n"] > 1:
                 text += " ± " + _fmt(m["std"], scale, digits)
             ch = r["change_vs_gpu_only"].get(key)
-            if ch is not None and r["policy"] != BASELINE:
+            if ch is not None and r["policy"] != BASELINE and key not in NO_CHANGE:
                 text += f" ({ch:+.1f}%)"
             cells.append(text)
+        cells.append(_mean_hits(r["metrics"]))
         cells.append("; ".join(_counts(b) for b in r["backend_requests"]))
         lines.append(_row(cells))
     if oracles:
         lines += _oracle(res, oracles)
+    lines += _buckets(res)
     lines += ["", "## Every run", ""]
-    head = ["run", "completed", "failed"] + [c[1] for c in COLUMNS] + ["requests per backend", "cached tokens"]
+    head = ["run", "completed", "failed"] + [c[1] for c in columns] + ["hit rate per backend",
+                                                                      "requests per backend", "cached tokens"]
     lines += [_row(head), _row(["---"] * len(head))]
     for run in res.runs:
         x = run.summary
         lines.append(_row([x.get("run_id"), x.get("completed"), x.get("failed")]
-                          + [_fmt(x.get(k), sc, d) for k, _, sc, d in COLUMNS]
-                          + [_counts(x.get("backend_requests", {})), _counts(x.get("backend_cached_tokens", {}))]))
+                          + [_fmt(x.get(k), sc, d) for k, _, sc, d in columns]
+                          + [_hits(x.get("backend_hit_rate") or {}), _counts(x.get("backend_requests", {})),
+                             _counts(x.get("backend_cached_tokens", {}))]))
     failed = [(run.summary.get("run_id"), e) for run in res.runs for e in run.requests["error"] if e]
     if failed:
         lines += ["", f"## Failed requests ({len(failed)})", ""]
