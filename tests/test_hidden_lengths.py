@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import wait_for
+from test_server import BACKENDS, MODEL, PROFILE, complete, start, wait_pools_full
 
 from mvllm.bench import experiment as ex
 from mvllm.bench.client import replay
@@ -17,8 +19,6 @@ from mvllm.bench.experiment import Workload
 from mvllm.bench.results import request_rows
 from mvllm.bench.runner import bench
 from mvllm.bench.workload import Request, build_all
-from tests.conftest import wait_for
-from tests.test_server import BACKENDS, MODEL, PROFILE, complete, start, wait_pools_full
 
 ROOT = Path(__file__).resolve().parents[1]
 TRUE_LENGTH_NAMES = {"stop_at", "benchmark_length", "target_tokens"}

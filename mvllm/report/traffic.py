@@ -195,7 +195,7 @@ def hit_rate(res: Results, path, value=None) -> bool:
         ax.set_title(p, loc="left", fontsize=10)
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
-        ax.legend(frameon=False, fontsize=7, loc="lower right")
+        ax.legend(frameon=False, fontsize=7, loc="best")
         ax.tick_params(labelbottom=True)
     for ax in axes[:, 0]:
         ax.set_ylabel("prefix hit rate (%)")

@@ -1,0 +1,134 @@
+"""A backend's KV blocks as the simulator models them: engine/block_manager.py's pool counted, not stored.
+
+A block is referenced (pinned by the running requests that hold it), free and clean, or free and cached
+(its hash kept, evicted least recently released first when an allocation needs room). Only the hashes of
+the cached blocks are kept (`refs`: hash -> the running requests that hold that block), and a request's
+block table is a list of hashes (None for a block not published: a partial block, or one whose hash
+another block holds already). `num_blocks` None is a pool without bound (a profile without kv_blocks):
+nothing is evicted and every allocation fits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mvllm.engine.block_manager import BLOCK_SIZE
+
+
+def chain(tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
+    """block_manager.block_hashes over the full blocks of `tokens` from block `start` on (the chain's hash
+    before it: `parent`), as a list; the same values, without a generator's and a call's cost per block."""
+    out, h, bs = [], parent, BLOCK_SIZE
+    for i in range(start * bs, len(tokens) // bs * bs, bs):
+        h = hash((h, tuple(tokens[i:i + bs])))
+        out.append(h)
+    return out
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+class KVCache:
+    def __init__(self, num_blocks: int | None = None):
+        self.num_blocks = num_blocks
+        self.refs: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # free cached blocks, least recently released first
+        self.in_use = 0  # referenced blocks
+
+    @property
+    def bounded(self) -> bool:
+        return self.num_blocks is not None
+
+    @property
+    def free(self) -> int:
+        return self.num_blocks - self.in_use
+
+    def hits(self, hashes: list[int], tokens: int) -> int:
+        """Cached blocks that a sequence of `tokens` tokens (hashes: its blocks' chain) finds, the last token
+        always left to compute (the engine's `_match`); changes nothing."""
+        refs, n = self.refs, 0
+        for h in hashes[:(tokens - 1) // BLOCK_SIZE]:
+            if h not in refs:
+                break
+            n += 1
+        return n
+
+    def cached_prefix_len(self, hashes: list[int], tokens: int) -> int:
+        return self.hits(hashes, tokens) * BLOCK_SIZE
+
+    def can_allocate(self, hashes: list[int], tokens: int) -> bool:
+        if self.num_blocks is None:
+            return True
+        hit = self.hits(hashes, tokens)
+        reusable = sum(1 for h in hashes[:hit] if not self.refs[h])
+        return blocks_for(tokens) - hit <= self.free - reusable
+
+    def allocate(self, hashes: list[int], tokens: int) -> tuple[list, int]:
+        """(the block table of a sequence of `tokens` tokens admitted now, its cached blocks)."""
+        hit = self.hits(hashes, tokens)
+        if self.num_blocks is None:
+            return [], hit
+        refs, table = self.refs, hashes[:hit]
+        for h in table:
+            if not refs[h]:
+                del self.lru[h]
+                self.in_use += 1
+            refs[h] += 1
+        self._take(blocks_for(tokens) - hit)
+        table.extend([None] * (blocks_for(tokens) - hit))
+        return table, hit
+
+    def grow(self, table: list, tokens: int) -> bool:
+        """Room for the KV of `tokens` tokens in the table (a decode step's append); False: no free block."""
+        need = blocks_for(tokens) - len(table)
+        if self.num_blocks is None or need <= 0:
+            return True
+        if need > self.free:
+            return False
+        self._take(need)
+        table.extend([None] * need)
+        return True
+
+    def _take(self, n: int) -> None:
+        evict = n - (self.num_blocks - self.in_use - len(self.lru))  # beyond the clean blocks
+        for _ in range(max(evict, 0)):
+            h, _ = self.lru.popitem(last=False)
+            del self.refs[h]
+        self.in_use += n
+
+    def commit(self, table: list, hashes: list[int], start: int, end: int) -> None:
+        """Publish blocks start..end-1 of the table (their KV computed): a block whose hash no block holds yet
+        becomes that hash's block; one whose hash is held already stays unpublished."""
+        refs, end = self.refs, min(end, len(hashes))
+        if self.num_blocks is None:
+            for h in hashes[start:end]:
+                refs.setdefault(h, 0)
+            return
+        for i in range(start, end):
+            h = hashes[i]
+            if table[i] is None and h not in refs:
+                refs[h] = 1
+                table[i] = h
+
+    def release(self, table: list) -> None:
+        """Free a table's blocks, its last block first: a published block whose last holder this was is cached
+        (the most recently released), the others go back clean."""
+        if self.num_blocks is None:
+            return
+        refs, lru = self.refs, self.lru
+        for h in reversed(table):
+            if h is not None:
+                left = refs[h] - 1
+                refs[h] = left
+                if left:
+                    continue
+                lru[h] = None
+            self.in_use -= 1
+        table.clear()
+
+    def warm(self, hashes: list[int], tokens: int) -> None:
+        """engine.warm: a prefix's full blocks computed, published and freed."""
+        table, hit = self.allocate(hashes, tokens)
+        self.commit(table, hashes, hit, tokens // BLOCK_SIZE)
+        self.release(table)
