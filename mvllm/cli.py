@@ -166,7 +166,8 @@ def bench(
     model: str = typer.Option(None, help="Model for the default experiment (ignored with a file)."),
     quiet: bool = typer.Option(False, "--quiet", help="No live display or tables."),
     json_out: bool = typer.Option(False, "--json", help="Print the aggregate as JSON on stdout."),
-    goodput: list[str] = typer.Option(None, help=GOODPUT_HELP + " Replaces the experiment's `goodput` table."),
+    goodput: list[str] = typer.Option(None, metavar="KEY:MS",
+                                      help=GOODPUT_HELP + " Replaces the experiment's `goodput` table."),
 ):
     """Replay a workload against mvllm servers it starts, policy against policy, and save what a user would feel:
     TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
@@ -267,8 +268,8 @@ def report(
     folder: str = typer.Argument(None, help="One experiment's results folder (default: every experiment "
                                             "under results/)."),
     out: str = typer.Option(None, help="Where charts and summary.md go (default: <folder>/report)."),
-    goodput: list[str] = typer.Option(None, help=GOODPUT_HELP + " Recomputed from every run's requests.csv, "
-                                                 "in place of what bench saved."),
+    goodput: list[str] = typer.Option(None, metavar="KEY:MS", help=GOODPUT_HELP + " Recomputed from every run's "
+                                      "requests.csv, in place of what bench saved."),
 ):
     """Draw the charts (PNG) and write a markdown summary from saved results alone."""
     from pathlib import Path

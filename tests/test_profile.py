@@ -40,6 +40,7 @@ def test_profile_writes_the_contract(profiled):
     assert cpu["picked"] == gpu["picked"] == "as asked"
     assert cpu["accuracy"]["note"].startswith("synthetic weights")
     for b in (cpu, gpu):
+        assert b["kv_blocks"] == 512
         assert b["device"] == "cpu" and b["dtype"] == "float32" and b["max_active"] == 2
         assert [p["tokens"] for p in b["prefill"] if p["kind"] == "cold"] == [16, 40]
         warm = next(p for p in b["prefill"] if p["kind"] == "warm")

@@ -83,7 +83,7 @@ def test_report_writes_every_chart(tmp_path):
     out = experiment(tmp_path, fail=True)
     written = report(out)
     names = {p.name for p in written}
-    assert names == {"summary.md", "makespan.png", "latency.png", "timeline.png", "scores.png"}
+    assert names == {"summary.md", "makespan.png", "latency.png", "cdf.png", "timeline.png", "scores.png"}
     for p in written:
         assert p.parent == out / "report"
         if p.suffix == ".png":

@@ -95,7 +95,7 @@ def _cell(metric: dict | None, change: float | None, scale: float, fmt: str) -> 
 
 def table(rows: list[dict], title: str) -> Table:
     """Means over runs (± standard deviation), change against gpu-only in brackets, the prefix hit rate
-    (overall and per backend; goodput where SLOs were given), and the number of requests each backend
+    (overall, then per backend; goodput where SLOs were given), and the number of requests each backend
     served in each run, as in the reference experiment's table."""
     knob = next((r["knob"] for r in rows if r.get("knob")), None)
     columns = COLUMNS + ((GOODPUT,) if any(GOODPUT[0] in r["metrics"] for r in rows) else ())
@@ -107,7 +107,6 @@ def table(rows: list[dict], title: str) -> Table:
     t.add_column("runs", justify="right")
     for _, header, _, _ in columns:
         t.add_column(header, justify="right")
-    t.add_column("hit rate\nper backend")
     t.add_column("requests per\nbackend, per run")
     for r in rows:
         cells = [str(r["value"])] if knob else []
@@ -115,7 +114,8 @@ def table(rows: list[dict], title: str) -> Table:
         for key, _, scale, fmt in columns:
             change = r["change_vs_gpu_only"].get(key) if r["policy"] != BASELINE and key != "hit_rate" else None
             cells.append(_cell(r["metrics"].get(key), change, scale, fmt))
-        cells.append(backend_hits(r["metrics"]).replace(", ", "\n"))
+            if key == "hit_rate" and len(hits := backend_hits(r["metrics"])) > 1:
+                cells[-1] += "\n" + hits.replace(", ", "\n")
         cells.append("\n".join(", ".join(f"{k} {v}" for k, v in b.items()) or "-" for b in r["backend_requests"]))
         t.add_row(*cells)
     return t

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from mvllm.bench.experiment import Workload
-from mvllm.bench.workload import Built, Request, arrivals, context_of, fit, token_range
+from mvllm.bench.request import Built, Request, arrivals, context_of, fit, token_range
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -170,7 +170,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
                "backends": backend_text(exp) if server else None, "max_active": exp.max_active,
                "url": url if server is None else None, "profile": str(servers.profile) if server and servers.profile
                else None, "workload": workload, "start_time": start, **meta}
-    summary.update(summarize(records, duration))
+    summary.update(summarize(records, duration, exp.goodput))
     write_requests(folder / "requests.csv", records)
     return summary
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mvllm.bench.experiment import ExperimentError, Workload
-from mvllm.bench.workload import Built, Request, arrivals, context_of, fit, token_range
+from mvllm.bench.request import Built, Request, arrivals, context_of, fit, token_range
 
 
 def _lines(path_text: str, kind: str):

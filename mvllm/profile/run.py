@@ -56,6 +56,12 @@ def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int) -> i
     return 2 * -(-tokens // block_size)
 
 
+def served_blocks(engine: Engine, spec: BackendSpec) -> int:
+    """The KV blocks the backend has when served (the simulator's prefix cache): its spec's num_blocks, else what
+    the engine's budget gives for its config; counted, not allocated (the profile runs with a smaller pool)."""
+    return spec.num_blocks or engine._blocks_for_budget()
+
+
 def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], repeats: int, steps: int,
                     progress: Progress, block_size: int = BLOCK_SIZE, reference: Reference | None = None) -> dict:
     config = spec.engine_config(model, block_size)
@@ -70,7 +76,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
            "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(),
            "max_active": spec.max_active, "graphs": engine.runner.captured, "compiled": engine.runner.compiled,
            "fused": engine.runner.fused, "overlap": engine.config.overlap, "ready_s": round(ready_s, 1),
-           "prefill": [], "decode": []}
+           "kv_blocks": served_blocks(engine, spec), "prefill": [], "decode": []}
 
     def first_token(prompt: list[int]) -> tuple[float, int]:
         seq = engine.add_request(prompt, _greedy(1))

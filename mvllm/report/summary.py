@@ -48,6 +48,16 @@ def _mean_hits(metrics: dict) -> str:
     return _hits({k.split(".", 1)[1]: m["mean"] for k, m in metrics.items() if k.startswith("backend_hit_rate.")})
 
 
+def _selection(res: Results) -> dict:
+    """What bench's workload selected (workload.json: in the experiment folder, by sweep value for a sweep, or
+    in a run's folder); {} where neither is there."""
+    for folder, by_value in ((res.first.folder, False), (res.folder, res.knob is not None)):
+        if folder is not None and (folder / "workload.json").is_file():
+            sel = read_json(folder / "workload.json")
+            return (sel.get(str(res.first.value)) or {}) if by_value else sel
+    return {}
+
+
 def _workload(res: Results) -> str:
     """The workload in one line: the reference's own words for kind prefix, else the selection bench saved
     (workload.json) or the experiment's settings."""
@@ -58,8 +68,7 @@ def _workload(res: Results) -> str:
                 f"{w.get('arrival')} arrivals" + (f" every {w.get('interval')} s" if w.get("arrival") == "fixed" else
                                                   f" at {w.get('rate')} req/s, burstiness {w.get('burstiness')}")
                 + f", seed {w.get('seed')}; prefix warmed: {'yes' if w.get('warm') else 'no'}")
-    folder = res.first.folder
-    sel = read_json(folder / "workload.json") if folder and (folder / "workload.json").is_file() else {}
+    sel = _selection(res)
     text = f"kind {w.get('kind')}" + (f" ({w['path']})" if w.get("path") else "")
     if not sel:
         return text + f", {w.get('requests')} requests, {w.get('arrival')} arrivals, lengths {w.get('lengths')}"
@@ -68,6 +77,8 @@ def _workload(res: Results) -> str:
         return "-" if not d else f"p50 {d.get('p50', 0):.0f}, p99 {d.get('p99', 0):.0f}, max {d.get('max', 0):.0f}"
 
     rate = sel.get("rate_per_s")
+    if res.knob:
+        text += f" (at {res.knob} = {res.first.value})"
     return (text + f": {sel.get('requests')} requests ({sel.get('first_turns')} first turns) over "
             f"{sel.get('span_s', 0):.1f} s" + (f", {rate:.2f} req/s" if rate else "") +
             f"; prompt tokens {q(sel.get('prompt_tokens'))}; output tokens {q(sel.get('output_tokens'))}; "

@@ -13,7 +13,7 @@ from mvllm.report.load import Results, Run
 from mvllm.report.style import backend_color, figure, policy_color, save, title
 
 DECADE = 10.0  # values spanning this factor or more get a log axis
-TIME_BINS = 24
+TIME_BINS = (6, 24)  # hit-rate time bins: about one per 8 requests of a policy, within these bounds
 
 
 def _done(df: pd.DataFrame) -> pd.DataFrame:
@@ -96,14 +96,21 @@ def _arrivals(ax, df: pd.DataFrame) -> None:
 
 
 def workload(res: Results, path, run: Run) -> None:
-    """Prompt and output length histograms (log x where lengths span a decade) and arrivals over time."""
+    """Prompt and output length histograms (log x where lengths span a decade; a length every request shares
+    is said in the title instead) and arrivals over time."""
     df = run.requests
-    fig, axes = figure(1, 3, width=16, height=4.4)
-    _hist(axes[0][0], df["prompt_tokens"], "#4C72B0", "prompt length (tokens)")
-    out, label = outputs(df)
-    _hist(axes[0][1], out, "#55A868", label)
-    _arrivals(axes[0][2], df)
-    what = f"Workload: prompt and output lengths, arrivals (from {run.summary.get('run_id', 'one run')})"
+    out, out_label = outputs(df)
+    lengths = [(df["prompt_tokens"], "#4C72B0", "prompt length (tokens)", "prompt"),
+               (out, "#55A868", out_label, "output")]
+    drawn = [x for x in lengths if _varies(x[0])]
+    fig, axes = figure(1, len(drawn) + 1, width=5.3 * (len(drawn) + 1) + 0.5, height=4.4)
+    for ax, (values, color, label, _) in zip(axes[0], drawn, strict=False):
+        _hist(ax, values, color, label)
+    _arrivals(axes[0][-1], df)
+    same = [f"{num(values.iloc[0])} {name} tokens" for values, _, _, name in lengths if not _varies(values)]
+    what = f"Workload: {'prompt and output lengths, ' if drawn else ''}arrivals (from {run.summary.get('run_id')})"
+    if same:
+        what += "; every request " + " and ".join(same)
     fig.suptitle(title(res, what), x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
     save(fig, path)
@@ -173,7 +180,8 @@ def hit_rate(res: Results, path, value=None) -> bool:
     if not served:
         return False
     t = np.concatenate([df["arrival"].to_numpy(dtype=float) for df in served.values()])
-    edges = np.linspace(t.min(), max(t.max(), t.min() + 1e-3), TIME_BINS + 1)
+    bins = min(max(len(t) // len(served) // 8, TIME_BINS[0]), TIME_BINS[1])
+    edges = np.linspace(t.min(), max(t.max(), t.min() + 1e-3), bins + 1)
     mids = (edges[:-1] + edges[1:]) / 2
     backends = res.backends
     series = {p: {b: _binned(df, edges, b) for b in backends if (df["backend"] == b).any()}

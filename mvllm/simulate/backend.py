@@ -28,10 +28,10 @@ from mvllm.bench.metrics import RequestRecord
 from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.routing.eta import Timing
 from mvllm.routing.router import Router
-from mvllm.simulate.kv import KVCache, chain
+from mvllm.simulate.kv import KVCache, chain, stand_ins
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Job:
     record: RequestRecord
     prompt: list[int]  # the whole prompt
@@ -40,9 +40,10 @@ class Job:
     cached: int = 0
     generated: int = 0
     limit: int | None = None  # the max_tokens the engine runs it with (None: max_tokens, lengths told)
-    hashes: list | None = None  # its blocks' hash chain, prompt then reply (None: the prompt's, made on admission)
+    hashes: list | None = None  # its blocks' hash chain, prompt then reply (None: made on admission)
     table: list = field(default_factory=list)
     committed: int = 0  # blocks of the table published
+    room: int = 0  # tokens it may generate before its table needs another block
     fresh: bool = False  # admitted, its admission step's token not landed yet
     preempted: bool = False  # waiting again, its blocks freed
     done: bool = False
@@ -87,9 +88,10 @@ class Backend:
         """The engine's schedule(): room for the next token of each request in `into` (`ahead`: tokens in
         flight), then admissions; returns their prefill's extra seconds."""
         if self.kv.bounded:
-            for job in list(into):
+            for job in [j for j in into if j.generated + ahead > j.room]:
                 while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
                     self.preempt(into[-1], into, ahead)
+                job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
         return self.admit(router, into)
 
     def preempt(self, job: Job, into: list, ahead: int) -> None:
@@ -107,11 +109,14 @@ class Backend:
             job = waiting[0]
             if job.hashes is None:
                 job.hashes = chain(job.prompt)
+                job.hashes += stand_ins(job.hashes, job.rid, (len(job.prompt) + job.max_tokens) // BLOCK_SIZE)
             tokens = len(job.prompt) + job.generated  # a preempted request is computed again, its tokens too
-            if kv.bounded and ((job.preempted and job in self.running) or not kv.can_allocate(job.hashes, tokens)):
+            hit = kv.hits(job.hashes, tokens)
+            if kv.bounded and ((job.preempted and job in self.running) or not kv.can_allocate(job.hashes, tokens, hit)):
                 break  # (in overlap, a request preempted in flight comes back once its token has landed)
             waiting.popleft()
-            job.table, hit = kv.allocate(job.hashes, tokens)
+            job.table, hit = kv.allocate(job.hashes, tokens, hit)
+            job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
             job.committed = hit
             if not job.preempted:
                 job.cached = hit * BLOCK_SIZE

@@ -11,6 +11,7 @@ nothing is evicted and every allocation fits.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 from mvllm.engine.block_manager import BLOCK_SIZE
 
@@ -18,9 +19,19 @@ from mvllm.engine.block_manager import BLOCK_SIZE
 def chain(tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
     """block_manager.block_hashes over the full blocks of `tokens` from block `start` on (the chain's hash
     before it: `parent`), as a list; the same values, without a generator's and a call's cost per block."""
-    out, h, bs = [], parent, BLOCK_SIZE
-    for i in range(start * bs, len(tokens) // bs * bs, bs):
-        h = hash((h, tuple(tokens[i:i + bs])))
+    out, h, bs, t = [], parent, BLOCK_SIZE, tuple(tokens)
+    for i in range(start * bs, len(t) // bs * bs, bs):
+        h = hash((h, t[i:i + bs]))
+        out.append(h)
+    return out
+
+
+def stand_ins(hashes: list[int], key: object, end: int) -> list[int]:
+    """The chain `hashes` goes on to `end` blocks with hashes of blocks that no prompt holds (`key`: the
+    request's): a reply whose tokens nobody sends back needs only to take room in the cache."""
+    out, h = [], hashes[-1] if hashes else None
+    for i in range(len(hashes), end):
+        h = hash((h, ("reply", key, i)))
         out.append(h)
     return out
 
@@ -48,7 +59,7 @@ class KVCache:
         """Cached blocks that a sequence of `tokens` tokens (hashes: its blocks' chain) finds, the last token
         always left to compute (the engine's `_match`); changes nothing."""
         refs, n = self.refs, 0
-        for h in hashes[:(tokens - 1) // BLOCK_SIZE]:
+        for h in islice(hashes, (tokens - 1) // BLOCK_SIZE):
             if h not in refs:
                 break
             n += 1
@@ -57,16 +68,17 @@ class KVCache:
     def cached_prefix_len(self, hashes: list[int], tokens: int) -> int:
         return self.hits(hashes, tokens) * BLOCK_SIZE
 
-    def can_allocate(self, hashes: list[int], tokens: int) -> bool:
+    def can_allocate(self, hashes: list[int], tokens: int, hit: int | None = None) -> bool:
+        """The engine's can_allocate; `hit`: hits(hashes, tokens), where the caller has it."""
         if self.num_blocks is None:
             return True
-        hit = self.hits(hashes, tokens)
+        hit = self.hits(hashes, tokens) if hit is None else hit
         reusable = sum(1 for h in hashes[:hit] if not self.refs[h])
         return blocks_for(tokens) - hit <= self.free - reusable
 
-    def allocate(self, hashes: list[int], tokens: int) -> tuple[list, int]:
+    def allocate(self, hashes: list[int], tokens: int, hit: int | None = None) -> tuple[list, int]:
         """(the block table of a sequence of `tokens` tokens admitted now, its cached blocks)."""
-        hit = self.hits(hashes, tokens)
+        hit = self.hits(hashes, tokens) if hit is None else hit
         if self.num_blocks is None:
             return [], hit
         refs, table = self.refs, hashes[:hit]
@@ -92,9 +104,10 @@ class KVCache:
 
     def _take(self, n: int) -> None:
         evict = n - (self.num_blocks - self.in_use - len(self.lru))  # beyond the clean blocks
-        for _ in range(max(evict, 0)):
-            h, _ = self.lru.popitem(last=False)
-            del self.refs[h]
+        if evict > 0:
+            refs, pop = self.refs, self.lru.popitem
+            for _ in range(evict):
+                del refs[pop(False)[0]]
         self.in_use += n
 
     def commit(self, table: list, hashes: list[int], start: int, end: int) -> None:
@@ -105,9 +118,13 @@ class KVCache:
             for h in hashes[start:end]:
                 refs.setdefault(h, 0)
             return
-        for i in range(start, end):
-            h = hashes[i]
-            if table[i] is None and h not in refs:
+        new = hashes[start:end]  # the table's blocks past those published are unpublished
+        if refs.keys().isdisjoint(new):
+            table[start:end] = new
+            refs.update(dict.fromkeys(new, 1))
+            return
+        for i, h in enumerate(new, start):
+            if h not in refs:
                 refs[h] = 1
                 table[i] = h
 
@@ -116,15 +133,16 @@ class KVCache:
         (the most recently released), the others go back clean."""
         if self.num_blocks is None:
             return
-        refs, lru = self.refs, self.lru
+        refs, lru, kept = self.refs, self.lru, 0
         for h in reversed(table):
             if h is not None:
                 left = refs[h] - 1
                 refs[h] = left
                 if left:
-                    continue
-                lru[h] = None
-            self.in_use -= 1
+                    kept += 1
+                else:
+                    lru[h] = None
+        self.in_use -= len(table) - kept
         table.clear()
 
     def warm(self, hashes: list[int], tokens: int) -> None:

@@ -1,18 +1,22 @@
 """`mvllm simulate`: an experiment's workload replayed through the real Router and policies, with every
-backend modelled from a profile instead of run.
+backend modelled from a profile instead of run (simulate/backend.py: the modelled engine; simulate/kv.py:
+its KV blocks and prefix cache).
 
-Each backend is eta's timing model (routing/eta.py: `Timing`), stepped through time as the engine steps:
-FCFS admission up to max_active; every step gives one token to each running request, and a request's first
-token comes at the end of the step that admits it. A backend profiled with overlap (CUDA's default) schedules
-each step as the one before it starts, counting the tokens in flight: a request that arrives while a step
-runs joins the step after next, and a slot freed by a request's last token is filled in the next step as in
-the plain loop. A step of b requests takes the profile's decode step
-time at batch b, plus the uncached prompt tokens it admits at the profile's prefill rate. Cached prefixes
-are full blocks of the engine's BLOCK_SIZE found by the engine's chain of block hashes (warmed as the bench
-warms them; no eviction is modelled). The router sees the events a worker would send (admitted, token,
-finished), so mixed, eta and split:K decide as they would in `mvllm serve`. Requests run to max_tokens
-(the bench ignores EOS). Output: one `summary.json` per policy and setting with bench's keys, in seconds
-of simulated time.
+Every workload kind bench replays (bench/workload.py): the client side sends what a real client sends. The
+router is told what the server would be told: the request's max_tokens (its true length where lengths are
+told; with lengths hidden the experiment's cap, else what the server takes when a client sends none: the room
+left in the context, `context - prompt`, the context capped at the smallest backend's pool), and each
+backend's cached prefix at that moment (the server's look-up); the modelled engine ends the request at its
+true length. A follow-up turn is sent its think time after its parent's last token, its prompt the parent's
+whole prompt, the parent's reply (`workload.reply_tokens`, as the client builds it) and its own tokens, so it
+finds the blocks its parent left cached on the backend that ran it. A request whose prompt and max_tokens do not
+fit the context fails, as the server's 400 would, and the turns that follow it with it. Each backend's prefix cache has the
+profile's `kv_blocks` (the pool the backend has when served; a backend spec's num_blocks wins), with LRU
+eviction of free cached blocks; a profile without kv_blocks leaves that backend's pool unbounded (no eviction,
+no wait for blocks), and the summary says so (`kv_blocks`: backend -> blocks, or None). The router sees the
+events a worker would send (admitted, token, finished), so mixed, eta and split:K decide as they would in
+`mvllm serve`. Output: one `summary.json` per policy and setting with bench's keys, in seconds of simulated
+time, plus `kv_blocks` and `preemptions` per backend.
 """
 
 from __future__ import annotations
@@ -20,101 +24,25 @@ from __future__ import annotations
 import copy
 import heapq
 import json
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from mvllm.backends.spec import default_backends, parse_backends
+from mvllm.backends.spec import BackendSpec, default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.metrics import RequestRecord, summarize
-from mvllm.engine.block_manager import BLOCK_SIZE, block_hashes
+from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
 from mvllm.routing.rates import rates_as_served
 from mvllm.routing.router import Router
+from mvllm.simulate.backend import Backend, Job
+from mvllm.simulate.kv import KVCache, chain, stand_ins
+
+CONTEXT = 2048  # the context where the model's config is not found here
 
 
 class SimulateError(MvllmError):
     pass
-
-
-@dataclass(slots=True)
-class Job:
-    record: RequestRecord
-    prompt: list[int]
-    max_tokens: int
-    rid: str
-    cached: int = 0
-    generated: int = 0
-
-
-@dataclass
-class Backend:
-    name: str
-    timing: Timing
-    waiting: deque = field(default_factory=deque)
-    running: list = field(default_factory=list)
-    blocks: set = field(default_factory=set)
-    busy: bool = False
-    planned: list = field(default_factory=list)  # overlap: the next step's requests, scheduled as this one began
-    planned_prefill: float = 0.0
-
-    def cached_prefix_len(self, tokens: list[int]) -> int:
-        n = 0
-        for h in block_hashes(tokens):
-            if h not in self.blocks:
-                break
-            n += BLOCK_SIZE
-        return n
-
-    def cache(self, tokens: list[int]) -> None:
-        self.blocks.update(block_hashes(tokens))
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.planned)
-
-
-    def admit(self, router: Router, into: list) -> float:
-        """Move waiting requests into `into` while it has room; returns their prefill's extra seconds."""
-        prefill = 0.0
-        while self.waiting and len(into) < self.timing.max_active:
-            job = self.waiting.popleft()
-            job.cached = min(self.cached_prefix_len(job.prompt), len(job.prompt) - 1)
-            prefill += self.timing.prefill_s(len(job.prompt) - job.cached)
-            router.on_scheduled(self.name, job.rid, job.cached)
-            into.append(job)
-        return prefill
-
-    def start_step(self, router: Router) -> float:
-        """Admit what fits, return the step's duration; the caller ends it with `end_step`. With overlap the
-        step runs what was scheduled as the step before it began (if anything was: an idle engine schedules
-        at once), and the step after it is scheduled now, without the requests this one ends."""
-        if self.planned:
-            self.running, prefill = self.planned, self.planned_prefill
-        else:
-            prefill = self.admit(router, self.running)
-        self.planned, self.planned_prefill = [], 0.0
-        if self.timing.overlap:
-            self.planned = [job for job in self.running if job.generated + 1 < job.max_tokens]
-            self.planned_prefill = self.admit(router, self.planned)
-        self.busy = True
-        return self.timing.step_s[len(self.running) - 1] + prefill
-
-    def end_step(self, now: float, router: Router) -> None:
-        for job in list(self.running):
-            if job.generated == 0:
-                job.record.first_token, job.record.cached_tokens = now, job.cached
-                self.cache(job.prompt)
-            job.generated += 1
-            job.record.chunks.append(now)
-            router.on_tokens(self.name, job.rid, 1)
-            if job.generated >= job.max_tokens:
-                job.record.finish, job.record.output_tokens = now, job.generated
-                router.on_finished(self.name, job.rid)
-                self.running.remove(job)
-        self.busy = False
 
 
 def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
@@ -128,33 +56,128 @@ def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
     return out
 
 
+def kv_blocks(profile: dict, specs: list[BackendSpec]) -> dict[str, int | None]:
+    """Each backend's KV blocks as served: its spec's num_blocks, else the profile's kv_blocks, else None
+    (unbounded: an older profile)."""
+    return {s.name: s.num_blocks or profile["backends"].get(s.name, {}).get("kv_blocks") for s in specs}
+
+
+def context_len(model: str, blocks: dict[str, int | None]) -> int:
+    """The server's max_model_len: the model's context, capped at the smallest pool (as each engine caps it)."""
+    pools = [n * BLOCK_SIZE for n in blocks.values() if n]
+    return min([wl.context_of(model) or CONTEXT, *pools])
+
+
+def prompt_hashes(req: wl.Request, prompt: list[int], before: list[int]) -> list[int]:
+    """The hash chain over the full blocks of a request's whole prompt, memoized in `req.hashes`; `before`: the
+    chain of its parent's prompt and reply, whose tokens begin it (a first turn: none)."""
+    if len(req.hashes) != len(prompt) // BLOCK_SIZE:
+        req.hashes = before + chain(prompt, len(before), before[-1] if before else None)
+    return req.hashes
+
+
+def reply_hashes(req: wl.Request, prompt: list[int], hashes: list[int], vocab: int, followed: bool) -> list[int]:
+    """The chain's blocks past the prompt's full ones, to the end of its reply: those of `reply_tokens` (what the
+    client sends back in the next turn) where a turn follows, else stand-ins that no other prompt holds."""
+    if followed:
+        tail = prompt[len(prompt) // BLOCK_SIZE * BLOCK_SIZE:] + wl.reply_tokens(req.id, req.output_tokens, vocab)
+        return chain(tail, 0, hashes[-1] if hashes else None)
+    return stand_ins(hashes, req.id, (len(prompt) + req.output_tokens) // BLOCK_SIZE)
+
+
 def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list | None = None,
-            believed: dict | None = None) -> dict:
+            believed: dict | None = None, built: wl.Built | None = None) -> dict:
     """One simulated run; `keep`, if given, receives the per-request records. `believed`: the profile the
-    router decides by, where it differs from the one the backends run by (the model's error)."""
+    router decides by, where it differs from the one the backends run by (the model's error). `built`: the
+    workload, where the caller has built it already (a trace takes seconds)."""
     text = default_backends() if exp.backends == "default" else exp.backends
     specs = parse_backends(text, exp.max_active, check_devices=False)
-    rates = rates_as_served(profile, {s.name: s.max_active for s in specs})
-    backends = {name: Backend(name, t) for name, t in timings(rates, [s.name for s in specs]).items()}
-    router = Router(list(backends), policy, rates_as_served(believed, {s.name: s.max_active for s in specs}) if believed else rates)
-    prefix, requests = wl.build(exp.workload, vocab)
-    if exp.workload.warm and prefix:
+    most = {s.name: s.max_active for s in specs}
+    rates = rates_as_served(profile, most)
+    blocks = kv_blocks(profile, specs)
+    backends = {name: Backend(name, t, KVCache(blocks[name]))
+                for name, t in timings(rates, [s.name for s in specs]).items()}
+    router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates)
+    built = built or wl.build_all(exp.workload, vocab, exp.model)
+    if exp.workload.warm and built.prefix:
+        hashes, n = chain(built.prefix), len(built.prefix)
         for b in backends.values():
-            b.cache(prefix)
-    events: list[tuple[float, int, str, object]] = [(r.arrival, i, "arrive", r) for i, r in enumerate(requests)]
-    heapq.heapify(events)
-    seq, records = len(events), []
-    while events:
-        now, _, kind, what = heapq.heappop(events)
+            if not b.kv.can_allocate(hashes, n):
+                raise SimulateError(f"backend {b.name}: its {b.kv.num_blocks} KV blocks cannot hold the "
+                                    f"{n}-token prefix to warm")
+            b.kv.warm(hashes, n)
+    records = replay(built.requests, backends, router, vocab, context_len(exp.model, blocks))
+    router.close()
+    if keep is not None:
+        keep.extend(records)
+    summary = summarize(records)
+    summary["kv_blocks"] = blocks
+    summary["preemptions"] = {name: b.preemptions for name, b in backends.items()}
+    return summary
+
+
+def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Router, vocab: int,
+           context: int) -> list[RequestRecord]:
+    """The client's side: first turns at their send times, each follow-up turn its think time after its
+    parent's last token (or its failure)."""
+    turns: dict[int, list[wl.Request]] = {}
+    for r in requests:
+        if r.parent is not None:
+            turns.setdefault(r.parent, []).append(r)
+    by_id = {r.id: r for r in requests} if turns else {}
+    prompts: dict[int, tuple[list[int], list[int]]] = {}  # whole prompt and chain of those whose turns are to come
+    failed: set[int] = set()
+    # first turns in send order, merged with a heap of the rest (steps, hand-overs, follow-up turns); at one time
+    # a first turn comes first, as it would in one heap ordered by (time, number) with first turns numbered first
+    firsts = sorted(((r.arrival, i, r) for i, r in enumerate(requests) if r.parent is None), key=lambda e: e[:2])
+    events: list[tuple[float, int, str, object]] = []
+    seq, records, k = len(requests), [], 0
+
+    def follow(parent: int, end: float) -> None:
+        nonlocal seq
+        for child in turns.get(parent, ()):
+            seq += 1
+            heapq.heappush(events, (end + child.arrival, seq, "arrive", child))
+
+    while k < len(firsts) or events:
+        if k < len(firsts) and (not events or firsts[k][0] <= events[0][0]):
+            (now, _, what), kind, k = firsts[k], "arrive", k + 1
+        else:
+            now, _, kind, what = heapq.heappop(events)
         if kind == "arrive":
-            rec = RequestRecord(what.id, what.arrival, len(what.prompt), sent=what.arrival)
+            req, parent = what, by_id.get(what.parent)
+            if parent is None:
+                prompt, before = req.prompt, []
+            else:
+                (before_prompt, before), left = prompts[parent.id], turns[parent.id]
+                prompt = wl.full_prompt(req, before_prompt, wl.reply_tokens(parent.id, parent.output_tokens, vocab))
+                left.remove(req)
+                if not left:
+                    del prompts[parent.id]
+            followed = bool(turns.get(req.id))
+            n, cap = len(prompt), req.cap
+            rec = RequestRecord(req.id, now, n, sent=now, max_tokens=cap, target_tokens=req.output_tokens,
+                                parent=req.parent)
             records.append(rec)
-            rid = f"sim-{what.id}"
-            cached = {n: b.cached_prefix_len(what.prompt) for n, b in backends.items()}
-            name = router.route(rid, len(what.prompt), what.output_tokens, cached)
+            limit = cap if cap is not None else context - n  # the server's default: up to the context's end
+            if req.parent in failed or n >= context or n + limit > context:
+                rec.error = ("its parent failed" if req.parent in failed else
+                             f"the prompt ({n} tokens) and max_tokens ({limit}) exceed the context ({context})")
+                failed.add(req.id)
+                if followed:
+                    prompts[req.id] = (prompt, [])
+                    follow(req.id, now)
+                continue
+            hashes = prompt_hashes(req, prompt, before)
+            hashes = hashes + reply_hashes(req, prompt, hashes, vocab, followed)
+            if followed:
+                prompts[req.id] = (prompt, hashes)
+            rid = f"sim-{req.id}"
+            cached = {name: b.kv.cached_prefix_len(hashes, n) for name, b in backends.items()}
+            name = router.route(rid, n, limit, cached)
             rec.backend = name
             backend = backends[name]
-            job = Job(rec, what.prompt, what.output_tokens, rid)
+            job = Job(rec, prompt, min(req.output_tokens, limit), rid, limit=limit, hashes=hashes)
             if backend.timing.request_s > 0:  # on its way to the worker: HTTP, routing, the pipe
                 seq += 1
                 heapq.heappush(events, (now + backend.timing.request_s, seq, "enqueue", (backend, job)))
@@ -165,14 +188,13 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
             backend.waiting.append(job)
         else:
             backend = what
-            backend.end_step(now, router)
+            for job in backend.end_step(now, router):
+                if turns:
+                    follow(job.record.id, now)
         if not backend.busy and backend.has_work:
             seq += 1
             heapq.heappush(events, (now + backend.start_step(router), seq, "step", backend))
-    router.close()
-    if keep is not None:
-        keep.extend(records)
-    return summarize(records)
+    return records
 
 
 def scaled_steps(profile: dict, ratios: dict[str, float]) -> dict:
@@ -195,29 +217,31 @@ DRIFT = 0.08
 
 
 def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict,
-         believed: dict | None = None) -> dict:
+         believed: dict | None = None, built: wl.Built | None = None) -> dict:
     """The same run with every backend's steps `spread` faster and slower than profiled, the router still
     deciding by the profile (or by `believed`): how far the prediction moves within a host's run-to-run drift. A narrow band is
     a firm prediction; a wide one says the load sits at a backend's capacity, where a few percent of step
     time decide whether requests queue. `base`, the run as profiled, lies in it (a tail need not move
     monotonically with the step time)."""
     runs = [base] + [run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}), vocab,
-                             believed=believed or profile) for f in (1 - spread, 1 + spread)]
+                             believed=believed or profile, built=built) for f in (1 - spread, 1 + spread)]
     return {"spread": spread, **{k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in BAND_KEYS}}
 
 
 def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None,
-             believed: dict | None = None, spread: float = 0.0) -> list[dict]:
-    """One summary per (setting, policy), in the order bench runs them. `spread` > 0 adds each one's `band`."""
-    if exp.workload.arrival not in ("fixed", "poisson", "gamma"):
+             believed: dict | None = None, spread: float = 0.0, built: wl.Built | None = None) -> list[dict]:
+    """One summary per (setting, policy), in the order bench runs them. `spread` > 0 adds each one's `band`.
+    `built`: the workload built already (an experiment without a sweep)."""
+    if exp.workload.arrival not in ("fixed", "poisson", "gamma", "trace"):
         raise SimulateError(f"arrival {exp.workload.arrival!r} cannot be simulated")
     rows = []
     for value, point in exp.points():
         vocab = wl.vocab_of(point.model, point.workload)
+        built = built if built is not None and exp.sweep is None else wl.build_all(point.workload, vocab, point.model)
         for policy in policies:
-            summary = run_one(point, policy, profile, vocab, believed=believed)
+            summary = run_one(point, policy, profile, vocab, believed=believed, built=built)
             if spread > 0:
-                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed)
+                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed, built)
             summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True)
             rows.append(summary)
             if out is not None:
@@ -247,6 +271,9 @@ def table(exp: Experiment, rows: list[dict], real: dict[tuple, dict]):
         cols.insert(6, f"p95 TTFT at ±{100 * spread:.0f}% steps")
     for col in cols:
         t.add_column(col, justify="left" if col in ("policy", "setting", "requests per backend") else "right")
+    unbounded = sorted({b for r in rows for b, n in r.get("kv_blocks", {}).items() if n is None})
+    if unbounded:
+        t.caption = f"prefix cache without bound for {', '.join(unbounded)}: the profile has no kv_blocks"
     for r in rows:
         m = real.get((r["policy"], r["value"]))
         mk = m["makespan"]["mean"] if m else None
