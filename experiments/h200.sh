@@ -13,7 +13,7 @@
 #   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
 #   RUNS=results/real-traffic bash experiments/h200.sh x   # real traffic (issue 25): the profile over the trace's
 #                                    # prompt lengths, and how soon a client's disconnect frees its slot
-#   RUNS=results/real-traffic bash experiments/h200.sh y   # the trace window, shared-prefix and paper-48-hidden
+#   RUNS=results/real-traffic bash experiments/h200.sh y   # the trace window; z: shared-prefix, paper-48-hidden
 #                                    # (commit `mvllm simulate`'s prediction from x's profile first)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
@@ -75,9 +75,9 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
            --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
        run 120 disconnect python3 experiments/disconnect_free.py --model synthetic:qwen2.5-0.5b --backends gpu=cuda \
            --out "$runs/disconnect.json" ;;
-    y) bench 200 trace-conversation
-       bench 200 shared-prefix
-       bench 120 paper-48-hidden ;;
+    y) bench 420 trace-conversation ;;
+    z) bench 250 shared-prefix
+       bench 200 paper-48-hidden ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
