@@ -299,3 +299,20 @@ def test_a_few_thousand_trace_requests_simulate_in_seconds(tmp_path):
     [row] = sim.simulate(exp, with_blocks(gpu=4000, cpu=1000), ["eta"], None)
     assert time.perf_counter() - start < 60
     assert row["completed"] == 3000 and row["total_cached_tokens"] > 0
+
+
+def test_long_prompts_are_priced_past_the_mixed_steps_and_grow_with_the_square():
+    """A profile measures mixed steps up to 516 tokens and lone prefills up to its longest --lengths: the timing
+    model follows the lone growth past 516, and past the last point grows at least as the square's fit."""
+    from mvllm.routing.eta import Timing
+
+    entry = {"prefill_rate": 1e5, "decode": [{"batch": 1, "step_ms": 1.0}, {"batch": 2, "step_ms": 1.0}],
+             "mixed": [{"tokens": 20, "batch": 2, "ms": 2.0}, {"tokens": 516, "batch": 2, "ms": 4.0}],
+             "prefill": [{"tokens": 516, "ms": 3.0}, {"tokens": 2048, "ms": 11.0}, {"tokens": 8192, "ms": 101.0}]}
+    t = Timing.from_profile(entry)
+    assert t.prefill_s(516) == pytest.approx(0.003)  # the mixed step's 4 ms over the 1 ms decode step
+    assert t.prefill_s(2048) == pytest.approx(0.003 + 0.008)  # + what the lone prefill grew from 516 to 2048
+    assert t.prefill_s(8192) == pytest.approx(0.003 + 0.098)
+    line = 0.101 + (0.101 - 0.011) * (16384 - 8192) / (8192 - 2048)
+    assert t.prefill_s(16384) > line  # attention's square, not the last segment's line
+    assert t.prefill_s(16384) == pytest.approx(0.101 * 4, rel=0.2)

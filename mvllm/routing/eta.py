@@ -60,25 +60,50 @@ class Timing:
         return got
 
     def prefill_s(self, tokens: int) -> float:
-        """Extra seconds a step takes for admitting a prompt with `tokens` uncached tokens."""
+        """Extra seconds a step takes for admitting a prompt with `tokens` uncached tokens: linear between the
+        measured points; past the last one, the line and square through the last two (attention grows with the
+        square of the prompt, and the longest prompts are the ones a real trace sends)."""
         if tokens <= 0:
             return 0.0
         pts = self.prefill_points
         if len(pts) < 2:
             return tokens / self.prefill_rate
+        if tokens > pts[-1][0]:
+            return _beyond(pts[-2], pts[-1], tokens)
         i = next((i for i in range(1, len(pts) - 1) if tokens < pts[i][0]), len(pts) - 1)
-        (n0, s0), (n1, s1) = pts[i - 1], pts[i]  # the segment holding `tokens`, or the nearest one's line
+        (n0, s0), (n1, s1) = pts[i - 1], pts[i]  # the segment holding `tokens`, or the first one's line
         return max(s0 + (s1 - s0) * (tokens - n0) / (n1 - n0), 0.0)
+
+
+def _beyond(p0: tuple[int, float], p1: tuple[int, float], tokens: int) -> float:
+    """s(n) = a n + b n^2 through both points (b >= 0: never below the line through them)."""
+    (n0, s0), (n1, s1) = p0, p1
+    b = max((s1 / n1 - s0 / n0) / (n1 - n0), 0.0)
+    line = s1 + (s1 - s0) * (tokens - n1) / (n1 - n0)
+    return max(s1 + (s1 / n1 - b * n1) * (tokens - n1) + b * (tokens * tokens - n1 * n1), line)
 
 
 def prefill_points(entry: dict, steps: dict[int, float]) -> list[tuple[int, float]]:
     """(uncached tokens, seconds over a decode step) for each measured admission: the profile's `mixed`
-    steps (new profiles) over the decode step of the same batch, else its lone prefill steps over batch 1."""
+    steps (new profiles) over the decode step of the same batch, else its lone prefill steps over batch 1.
+    Longer lone prefills than the longest mixed step extend the mixed points by what the lone ones grow past it
+    (a profile measures mixed steps at the reference's 516 tokens, lone ones up to its longest --lengths)."""
     mixed = [(m["tokens"], m["ms"] / 1000 - steps.get(m["batch"], steps[max(steps)]))
              for m in entry.get("mixed", []) if m.get("batch") in steps]
     lone = [(p["tokens"], p["ms"] / 1000 - steps[min(steps)]) for p in entry.get("prefill", []) if "ms" in p]
-    points = {}
-    for n, s in mixed or lone:
+    points = _mean(mixed or lone)
+    if mixed and lone:
+        top, at_top = points[-1]
+        alone = _mean(lone)
+        ref = Timing(1.0, [1.0], alone).prefill_s(top) if len(alone) >= 2 else None
+        if ref is not None:
+            points += [(n, at_top + s - ref) for n, s in alone if n > top]
+    return points
+
+
+def _mean(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    points: dict[int, list[float]] = {}
+    for n, s in pairs:
         points.setdefault(n, []).append(s)
     return sorted((n, sum(v) / len(v)) for n, v in points.items())
 
