@@ -78,6 +78,7 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
     y) bench 420 trace-conversation ;;
     z) bench 250 shared-prefix
        bench 200 paper-48-hidden ;;
+    w) bench 200 shared-prefix-30 ;;
     tar) [[ -n ${OUT:-} ]] && tar czf "$OUT/runs.tgz" "$runs" ;;  # the device's reply keeps shallow files only
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
