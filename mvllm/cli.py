@@ -234,7 +234,8 @@ def simulate(
         return
     if not 0 <= spread < 1:
         raise MvllmError(f"--spread must be in [0, 1), not {spread}")
-    rows = run(exp, data, policies, folder, spread=spread)
+    rows = run(exp, data, policies, folder, spread=spread,
+               say=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False))
     console.print(table(exp, rows, measured(Path("results") / exp.name)))
     console.print(f"wrote {len(rows)} summaries under {folder}", highlight=False)
     if json_out:

@@ -229,15 +229,23 @@ def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: floa
 
 
 def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None,
-             believed: dict | None = None, spread: float = 0.0, built: wl.Built | None = None) -> list[dict]:
+             believed: dict | None = None, spread: float = 0.0, built: wl.Built | None = None,
+             say=None) -> list[dict]:
     """One summary per (setting, policy), in the order bench runs them. `spread` > 0 adds each one's `band`.
-    `built`: the workload built already (an experiment without a sweep)."""
+    `built`: the workload built already (an experiment without a sweep). `say(line)` hears what each setting's
+    workload selected (also saved as workload.json in `out`, as bench saves it)."""
     if exp.workload.arrival not in ("fixed", "poisson", "gamma", "trace"):
         raise SimulateError(f"arrival {exp.workload.arrival!r} cannot be simulated")
     rows = []
     for value, point in exp.points():
         vocab = wl.vocab_of(point.model, point.workload)
         built = built if built is not None and exp.sweep is None else wl.build_all(point.workload, vocab, point.model)
+        if say is not None:
+            say(("" if value is None else f"{exp.sweep.knob}={value}: ") + wl.selection_line(built.selection))
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            name = "workload.json" if value is None else f"workload-{exp.sweep.knob}-{value}.json"
+            (out / name).write_text(json.dumps(built.selection, indent=2) + "\n")
         for policy in policies:
             summary = run_one(point, policy, profile, vocab, believed=believed, built=built)
             if spread > 0:
