@@ -240,12 +240,6 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
     for value, point in exp.points():
         vocab = wl.vocab_of(point.model, point.workload)
         built = built if built is not None and exp.sweep is None else wl.build_all(point.workload, vocab, point.model)
-        if say is not None:
-            say(("" if value is None else f"{exp.sweep.knob}={value}: ") + wl.selection_line(built.selection))
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            name = "workload.json" if value is None else f"workload-{exp.sweep.knob}-{value}.json"
-            (out / name).write_text(json.dumps(built.selection, indent=2) + "\n")
         for policy in policies:
             summary = run_one(point, policy, profile, vocab, believed=believed, built=built)
             if spread > 0:
@@ -257,6 +251,11 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
                 folder = out / label
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if say is not None:  # after the runs: an error (a profile without step times) stays one line
+            say(("" if value is None else f"{exp.sweep.knob}={value}: ") + wl.selection_line(built.selection))
+        if out is not None:
+            name = "workload.json" if value is None else f"workload-{exp.sweep.knob}-{value}.json"
+            (out / name).write_text(json.dumps(built.selection, indent=2) + "\n")
     return rows
 
 
