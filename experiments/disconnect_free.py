@@ -50,6 +50,7 @@ def main() -> None:
     notes = {d["aborted"]: d for d in map(json.loads, log.read_text().splitlines()) if "aborted" in d}
     routed = [d for d in map(json.loads, log.read_text().splitlines()) if "candidates" in d or "choice" in d]
     rows = []
+    # decisions are logged in arrival order; requests go 0.25 s apart, so that is the records' order too
     for rec, d in zip(records, routed, strict=False):
         note = notes.get(d["request_id"])
         if note is None or not rec.ok:

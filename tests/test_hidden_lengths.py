@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import wait_for
-from test_server import BACKENDS, MODEL, PROFILE, complete, start, wait_pools_full
+from test_server import BACKENDS, MODEL, complete, mixed, wait_pools_full  # noqa: F401 (mixed: a fixture)
 
 from mvllm.bench import experiment as ex
 from mvllm.bench.client import replay
@@ -24,15 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TRUE_LENGTH_NAMES = {"stop_at", "benchmark_length", "target_tokens"}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hidden")
-    (tmp / "profile.json").write_text(json.dumps(PROFILE))
-    s = start(tmp, "--policy", "mixed", "--profile", str(tmp / "profile.json"), "--routing-log",
-              str(tmp / "routing.jsonl"))
-    s.routing_log = tmp / "routing.jsonl"
-    yield s
-    s.stop()
+@pytest.fixture
+def server(mixed):  # noqa: F811
+    """test_server's module server: two CPU backends, policy mixed with a profile, a routing log."""
+    return mixed
 
 
 def decisions(path: Path) -> list[dict]:
@@ -57,8 +52,7 @@ def test_benchmark_length_ends_the_request_with_stop_and_leaves_routing_as_it_wa
 
 
 def test_the_routing_path_never_reads_a_true_length():
-    files = list((ROOT / "mvllm" / "routing").glob("*.py")) + [ROOT / "mvllm" / "routing" / "cost.py"]
-    for path in files:
+    for path in (ROOT / "mvllm" / "routing").glob("*.py"):
         names = {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
         names |= {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
         assert not names & TRUE_LENGTH_NAMES, path
@@ -69,7 +63,7 @@ def test_the_routing_path_never_reads_a_true_length():
 
 def test_a_client_that_stops_reading_at_the_length_frees_the_slot(server):
     reqs = [Request(i, [3 + i, 4, 5, 6, 7], 4 + i, 0.02 * i, max_tokens=1500) for i in range(6)]
-    records, _, start_wall = asyncio.run(replay(server.url, MODEL, reqs, 120.0, stop="disconnect"))
+    records, _, _ = asyncio.run(replay(server.url, MODEL, reqs, 120.0, stop="disconnect"))
     assert all(r.ok and r.finish_reason == "disconnect" for r in records), [r.error for r in records]
     assert [r.output_tokens for r in records] == [4 + i for i in range(6)]
     assert all(free == total for free, total in wait_pools_full(server).values())

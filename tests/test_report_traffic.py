@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_report import _check_png as _png
 
 from mvllm.bench.metrics import RequestRecord, summarize
 from mvllm.bench.results import CSV_COLUMNS, run_id, write_aggregate, write_json, write_requests
@@ -78,11 +79,6 @@ def traffic_experiment(tmp_path: Path, old: bool = False) -> Path:
             "output_tokens": {"p50": 90, "p99": 900, "max": 2000}, "reusable_prompt_share": 0.4})
     write_aggregate(out)
     return out
-
-
-def _png(path: Path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
 def test_traffic_report_draws_the_three_charts(tmp_path):

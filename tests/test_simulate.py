@@ -181,15 +181,9 @@ class Silent:
         return lambda *args: None
 
 
-def first_tokens(overlap: bool, arrivals: list[tuple[float, int]], max_active: int = 4) -> list[float]:
-    """Drive one simulated backend (10 ms steps, free prefill) through requests (arrival, max_tokens)."""
-    from mvllm.bench.metrics import RequestRecord
-    from mvllm.routing.eta import Timing
-    from mvllm.simulate.sim import Backend, Job
-
-    backend, router = Backend("gpu", Timing(1e12, [0.01] * max_active, overlap=overlap)), Silent()
-    jobs = [Job(RequestRecord(i, t, 20), [1] * 20, n, f"r{i}") for i, (t, n) in enumerate(arrivals)]
-    now, pending = 0.0, list(jobs)
+def drive(backend, jobs: list) -> None:
+    """Step one simulated backend through jobs in arrival order, as the simulator's event loop does."""
+    now, pending, router = 0.0, list(jobs), Silent()
     while pending or backend.has_work:
         while pending and pending[0].record.arrival <= now:
             backend.waiting.append(pending.pop(0))
@@ -201,6 +195,17 @@ def first_tokens(overlap: bool, arrivals: list[tuple[float, int]], max_active: i
             backend.waiting.append(pending.pop(0))
         backend.end_step(end, router)
         now = end
+
+
+def first_tokens(overlap: bool, arrivals: list[tuple[float, int]], max_active: int = 4) -> list[float]:
+    """Drive one simulated backend (10 ms steps, free prefill) through requests (arrival, max_tokens)."""
+    from mvllm.bench.metrics import RequestRecord
+    from mvllm.routing.eta import Timing
+    from mvllm.simulate.sim import Backend, Job
+
+    backend = Backend("gpu", Timing(1e12, [0.01] * max_active, overlap=overlap))
+    jobs = [Job(RequestRecord(i, t, 20), [1] * 20, n, f"r{i}") for i, (t, n) in enumerate(arrivals)]
+    drive(backend, jobs)
     return [round(j.record.first_token, 3) for j in jobs]
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_simulate import drive
 
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment, Workload
@@ -155,18 +156,7 @@ def modelled(arrivals: list[tuple[float, list[int], int, int]], num_blocks: int,
     (first token step, finish step, cached tokens, tokens) per request."""
     backend = Backend("gpu", Timing(1e15, [1.0] * max_active, overlap=overlap), KVCache(num_blocks))
     jobs = [Job(RequestRecord(i, t, len(p)), p, n, f"r{i}", limit=cap) for i, (t, p, n, cap) in enumerate(arrivals)]
-    now, pending, router = 0.0, list(jobs), Silent()
-    while pending or backend.has_work:
-        while pending and pending[0].record.arrival <= now:
-            backend.waiting.append(pending.pop(0))
-        if not backend.has_work:
-            now = pending[0].record.arrival
-            continue
-        end = now + backend.start_step(router)
-        while pending and pending[0].record.arrival < end:
-            backend.waiting.append(pending.pop(0))
-        backend.end_step(end, router)
-        now = end
+    drive(backend, jobs)
     return [(round(j.record.first_token), round(j.record.finish), j.record.cached_tokens, j.record.output_tokens)
             for j in jobs], backend
 

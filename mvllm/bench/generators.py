@@ -70,7 +70,7 @@ def random_lengths(w: Workload, vocab: int, model: str | None = None) -> Built:
             dropped += 1
             continue
         reqs.append(Request(len(reqs), prompt[:keep], out, t))
-    return Built(shared if w.warm else [], reqs, {"dropped": {"over_context": dropped}} if dropped else {})
+    return Built(shared, reqs, {"dropped": {"over_context": dropped}} if dropped else {})
 
 
 def shared_prefix(w: Workload, vocab: int, model: str | None = None) -> Built:

@@ -22,7 +22,7 @@ from mvllm.bench.experiment import Experiment, ExperimentError, check_policy, fi
 from mvllm.bench.metrics import summarize
 from mvllm.bench.process import ServerError, ServerProcess
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
-from mvllm.bench.workload import build_all, selection_line, vocab_of
+from mvllm.bench.workload import Built, build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
 
 EXTERNAL = "external"
@@ -136,9 +136,9 @@ class Servers:
 
 
 def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | None, folder: Path, label: str,
-            console: Console, quiet: bool) -> dict:
+            console: Console, quiet: bool, built: Built) -> dict:
+    """One run of `built` (exp's workload, built once for all its runs: replays do not change it)."""
     vocab = vocab_of(exp.model, exp.workload)
-    built = build_all(exp.workload, vocab, exp.model)
     prefix, requests = built.prefix if exp.workload.warm else [], built.requests
     meta = {"warm_cached_tokens": None}
     server = None
@@ -175,17 +175,18 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
     return summary
 
 
-def selections(exp: Experiment, console: Console, quiet: bool) -> dict:
-    """What each sweep point's workload selected (built here once, so a bad trace fails before any server
-    starts), printed; saved as workload.json ({value: selection} for a sweep)."""
-    out = {}
+def workloads(exp: Experiment, out: Path, console: Console, quiet: bool) -> dict:
+    """Each sweep point's workload, built once before any server starts (a bad trace fails first); what each
+    selected is printed and saved as workload.json ({value: selection} for a sweep)."""
+    built = {}
     for value, point in exp.points():
-        sel = build_all(point.workload, vocab_of(point.model, point.workload), point.model).selection
+        built[value] = build_all(point.workload, vocab_of(point.model, point.workload), point.model)
         if not quiet:
-            console.print(f"[dim]{'' if value is None else f'{exp.sweep.knob}={value}: '}{selection_line(sel)}[/dim]",
-                          highlight=False)
-        out[str(value)] = sel
-    return out[str(None)] if exp.sweep is None else out
+            line = selection_line(built[value].selection)
+            console.print(f"[dim]{'' if value is None else f'{exp.sweep.knob}={value}: '}{line}[/dim]", highlight=False)
+    sel = {str(v): b.selection for v, b in built.items()}
+    write_json(out / "workload.json", sel[str(None)] if exp.sweep is None else sel)
+    return built
 
 
 def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: int | None = None,
@@ -207,7 +208,7 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     if exp.path is not None and exp.path.resolve() != (out / "experiment.toml").resolve():
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
-    write_json(out / "workload.json", selections(exp, console, quiet))
+    built = workloads(exp, out, console, quiet)
     profile = find_profile(exp, out, lambda e, path: measure(e, path, console)) if url is None else None
     servers = Servers(exp.server, out, profile) if url is None else None
     total = len(exp.points()) * len(policies) * runs
@@ -229,7 +230,7 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
                     folder.mkdir(parents=True)
                     env = envinfo.describe(specs)
                     label = f"[{done + 1}/{total}] {rid}"
-                    s = one_run(point, policy, url, servers, folder, label, console, quiet)
+                    s = one_run(point, policy, url, servers, folder, label, console, quiet, built[value])
                     s.update({"run_id": rid, "run": i, "knob": knob, "value": value, "environment": env})
                     write_json(folder / "summary.json", s)
                     done += 1
