@@ -51,14 +51,26 @@ def test_benchmark_length_ends_the_request_with_stop_and_leaves_routing_as_it_wa
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "benchmark_length"
 
 
-def test_the_routing_path_never_reads_a_true_length():
+def test_the_routing_path_reads_a_true_length_only_for_the_oracle():
+    """The true length enters the router as `length` (a booking's), and only Router.left reads it, in the branch
+    of the oracle's lengths ("true"); the server passes the benchmark's field there and nowhere else."""
     for path in (ROOT / "mvllm" / "routing").glob("*.py"):
-        names = {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
-        names |= {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+        tree = ast.parse(path.read_text())
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         assert not names & TRUE_LENGTH_NAMES, path
+        readers = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                   for n in ast.walk(f) if isinstance(n, ast.Attribute) and n.attr == "length"
+                   and isinstance(n.ctx, ast.Load)}
+        assert readers <= ({"left"} if path.name == "router.py" else set()), (path, readers)
+    left = next(f for f in ast.walk(ast.parse((ROOT / "mvllm" / "routing" / "router.py").read_text()))
+                if isinstance(f, ast.FunctionDef) and f.name == "left")
+    assert ast.unparse(left).index("b.length") > ast.unparse(left).rindex("return self.ratios")  # after every other kind
     cluster = ast.parse((ROOT / "mvllm" / "server" / "cluster.py").read_text())
-    route_calls = [n for n in ast.walk(cluster) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "route"]
-    assert route_calls and all("stop_at" not in ast.unparse(c) for c in route_calls)
+    uses = [n for n in ast.walk(cluster) if isinstance(n, ast.Attribute) and n.attr == "stop_at"]
+    route_calls = [n for n in ast.walk(cluster) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "route"
+                   and "self.router" in ast.unparse(n.func)]
+    assert len(uses) == 1 and len(route_calls) == 1 and ast.unparse(route_calls[0].args[-1]) == "params.stop_at"
 
 
 def test_a_client_that_stops_reading_at_the_length_frees_the_slot(server):

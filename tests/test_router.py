@@ -123,14 +123,14 @@ def test_finish_time_of_a_request_on_an_idle_backend():
     from mvllm.routing.eta import Timing, finish_time
 
     t = Timing.from_profile(H200["cpu"])
-    assert finish_time(t, [], new_prefill=14, new_decode=10) == pytest.approx(14 / 1400 + 10 * 0.0274)
+    assert finish_time(t, ([], [], []), new_prefill=14, new_decode=10) == pytest.approx(14 / 1400 + 10 * 0.0274)
 
 
 def test_finish_time_waits_for_a_free_slot_and_batches():
     from mvllm.routing.eta import Timing, finish_time
 
     t = Timing(prefill_rate=100.0, step_s=[0.1, 0.2])  # max_active 2
-    active = [Booking("a", 10, 0, 5, active=True, generated=2), Booking("b", 10, 0, 5, active=True, generated=4)]
+    active = ([3, 1], [], [])  # decode left of the admitted ones (a made 2 of 5, b 4 of 5), none waiting
     # b ends after 1 step at batch 2; the new request (prefill 10 = 0.1 s) joins a; a ends after 2 more steps;
     # then the new one runs alone for its last 1 token
     expected = 1 * 0.2 + 0.1 + 2 * 0.2 + 1 * 0.1
@@ -177,8 +177,8 @@ def test_drain_time_is_when_the_last_booked_request_ends():
     from mvllm.routing.eta import Timing, drain_time, finish_time
 
     timing = Timing(prefill_rate=1000.0, step_s=[0.01, 0.02])
-    booked = [Booking("a", 10, 0, 100, active=True), Booking("b", 10, 0, 10), Booking("c", 10, 0, 10)]
-    assert drain_time(timing, []) == 0.0
+    booked = ([100], [10], [(10, 10), (10, 10)])  # a admitted (its prompt not yet run), b and c waiting
+    assert drain_time(timing, ([], [], [])) == 0.0
     end = drain_time(timing, booked)
     # prefill of a, then b; 10 steps of a+b; prefill of c; 10 steps of a+c; a alone for its last 80
     assert end == pytest.approx(0.01 + 0.01 + 10 * 0.02 + 0.01 + 10 * 0.02 + 80 * 0.01)
@@ -207,7 +207,8 @@ def test_policy_names_come_from_one_registry():
     from mvllm.bench.experiment import ExperimentError, check_policy
     from mvllm.routing.policies import PARAMETRISED, POLICIES, REGISTRY, Split, is_known, make_policy
 
-    assert POLICIES == ("mixed", "eta", "makespan", "gpu-only", "cpu-only", "round-robin", "split:K")
+    assert POLICIES == ("mixed", "eta", "eta-caps", "new-token-ratio", "oracle", "makespan", "gpu-only",
+                        "cpu-only", "round-robin", "sglang-cache", "kv-cost", "split:K")
     for name in REGISTRY:
         assert is_known(name) and check_policy(name) == name
         assert make_policy(name, ["gpu", "cpu"]).name == name

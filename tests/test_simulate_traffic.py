@@ -45,9 +45,9 @@ class Spy(Router):
 
     calls: list[tuple[str, int, int, dict]] = []
 
-    def route(self, request_id, prompt_tokens, max_tokens, cached, exclude=()):
+    def route(self, request_id, prompt_tokens, max_tokens, cached, exclude=(), blocks=None, length=None):
         Spy.calls.append((request_id, prompt_tokens, max_tokens, dict(cached)))
-        return super().route(request_id, prompt_tokens, max_tokens, cached, exclude)
+        return super().route(request_id, prompt_tokens, max_tokens, cached, exclude, blocks, length)
 
 
 @pytest.fixture

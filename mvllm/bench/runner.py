@@ -194,6 +194,9 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
     """Run the experiment; returns the aggregate rows. Each finished run is on disk before the next
     starts, so an error or Ctrl-C loses nothing already measured."""
     console = console or Console(stderr=True)
+    if url is not None and "oracle" in (policies or []):
+        raise ExperimentError("policy oracle reads the true output lengths, which bench sends only to the servers "
+                              "it starts; a server at --url routes as it is set up and is never told them")
     if url is not None and policies and not quiet:
         console.print("[dim]note: --policy does not apply with --url; the server routes as it is set up[/dim]")
     policies = [check_policy(p) for p in (policies or exp.policies)] if url is None else [EXTERNAL]

@@ -8,7 +8,7 @@ prefill and unused max_tokens budget; the new request counts its prompt minus wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -22,6 +22,12 @@ class Booking:
     active: bool = False
     actual_cached: int | None = None
     generated: int = 0
+    length: int | None = None  # the true length, where a benchmark sends it (the oracle's; nothing else reads it)
+    left: int = -1  # decode tokens expected still to come, by the router's policy's lengths (at first the cap's)
+
+    def __post_init__(self):
+        if self.left < 0:
+            self.left = self.pending_decode
 
     @property
     def pending_prefill(self) -> int:
@@ -45,18 +51,27 @@ class Candidate:
     prefill_rate: float
     decode_rate: float
     cached_prefix: int
+    expected_decode: int | None = None  # pending decode as the policy's lengths expect it (None: the caps)
     eta: float | None = None
     drain: float | None = None  # makespan policy: this backend's queue drained, the new request included
     idle_drain: float | None = None  # ... and without it
-    score: float = field(init=False)
+    load: int = 0  # requests booked (sglang-cache)
+    sent_prefix: int = 0  # blocks of the prompt the router sent this backend before (sglang-cache)
+    sent_blocks: int = 0  # blocks the router remembers sending it (sglang-cache's tree size)
+    active_blocks: int = 0  # KV blocks its booked requests hold or will (kv-cost)
+    prompt_tokens: int = 0  # the new request's
 
-    def __post_init__(self):
-        self.score = self.pending_prefill / self.prefill_rate + self.pending_decode / self.decode_rate
+    @property
+    def score(self) -> float:
+        if not (self.prefill_rate and self.decode_rate):
+            return float("inf")
+        return self.pending_prefill / self.prefill_rate + self.pending_decode / self.decode_rate
 
     def as_dict(self) -> dict:
         return {"pending_prefill": self.pending_prefill, "pending_decode": self.pending_decode,
                 "prefill_rate": self.prefill_rate, "decode_rate": self.decode_rate,
                 "cached_prefix": self.cached_prefix, "score": round(self.score, 6),
+                **({"expected_decode": self.expected_decode} if self.expected_decode is not None else {}),
                 **({"eta": round(self.eta, 6)} if self.eta is not None else {}),
                 **({"drain": round(self.drain, 6)} if self.drain is not None else {})}
 
@@ -65,4 +80,4 @@ def candidate(backend: str, bookings: list[Booking], prompt_tokens: int, cached_
               prefill_rate: float, decode_rate: float) -> Candidate:
     prefill = sum(b.pending_prefill for b in bookings) + prompt_tokens - cached_prefix
     decode = sum(b.pending_decode for b in bookings) + max_tokens
-    return Candidate(backend, prefill, decode, prefill_rate, decode_rate, cached_prefix)
+    return Candidate(backend, prefill, decode, prefill_rate, decode_rate, cached_prefix, prompt_tokens=prompt_tokens)

@@ -20,8 +20,7 @@ which measurement of the profile entry:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from mvllm.routing.cost import Booking
+from heapq import heapify, heappop, heappush
 
 
 @dataclass(slots=True)
@@ -108,53 +107,82 @@ def _mean(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return sorted((n, sum(v) / len(v)) for n, v in points.items())
 
 
-def finish_time(timing: Timing, bookings: list[Booking], new_prefill: int, new_decode: int) -> float:
-    """Seconds from now until the new request would finish if it were queued behind `bookings`."""
-    return timing.request_s + replay(timing, bookings, (new_prefill, new_decode))
+# a backend's bookings: (decode tokens left of each admitted request, uncached prompt tokens of each admitted
+# request that has not made a token yet, (prefill, decode) of each waiting request in FCFS order)
+Work = tuple[list[int], list[int], list[tuple[int, int]]]
+IDLE: Work = ([], [], [])
 
 
-def drain_time(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None = None) -> float:
-    """Seconds from now until every booked request (and `new`, (prefill, decode), if given) has finished."""
-    return (timing.request_s if new else 0.0) + replay(timing, bookings, new, until_all=True)
+def finish_time(timing: Timing, work: Work, new_prefill: int, new_decode: int) -> float:
+    """Seconds from now until the new request would finish if it were queued behind `work`."""
+    return timing.request_s + replay(timing, work, (new_prefill, new_decode))
 
 
-def replay(timing: Timing, bookings: list[Booking], new: tuple[int, int] | None, until_all: bool = False) -> float:
-    """The FCFS replay both share: the time the new request finishes, or with until_all the last one."""
-    prefill_s = timing.priced
-    running, queue, t = [], [], 0.0
-    for b in bookings:
-        if b.active:
-            running.append(b.pending_decode)
-            t += prefill_s(b.pending_prefill)
-        else:
-            queue.append((b.pending_prefill, b.pending_decode))
+def drain_time(timing: Timing, work: Work, new: tuple[int, int] | None = None) -> float:
+    """Seconds from now until all booked work (and `new`, (prefill, decode), if given) has finished."""
+    return (timing.request_s if new else 0.0) + replay(timing, work, new, until_all=True)
+
+
+def replay(timing: Timing, work: Work, new: tuple[int, int] | None, until_all: bool = False) -> float:
+    """The FCFS replay both share: the time the new request finishes, or with until_all the last one. Each
+    running request is a mark, the count of decode steps after which it ends; a stretch of steps between two
+    ends costs its length times the step time of the batch that runs it."""
+    prefill_s, steps, top = timing.priced, timing.step_s, timing.max_active
+    running, admitting, waiting = work
+    marks, t = list(running), 0.0
+    for n in admitting:
+        t += prefill_s(n)
+    queue = list(waiting)
+    if not queue and len(marks) + (new is not None) <= top:  # all of it runs at once: ends in order
+        if new is None:
+            return _walk(sorted(marks), steps, t) if marks else 0.0
+        t += prefill_s(new[0])
+        if until_all:
+            marks.append(new[1])
+            return _walk(sorted(marks), steps, t)
+        marks.sort()
+        return _walk(marks, steps, t, last=new[1], n=len(marks) + 1)
     if new is not None:
         queue.append(new)
-    if not running and not queue:
-        return 0.0
-    top, head, mine = timing.max_active, 0, None  # mine: the new request's tokens left, once admitted
-    new_at = len(queue) - 1 if new is not None else -1
-    while True:
-        while head < len(queue) and len(running) < top:
-            prefill, decode = queue[head]
-            t += prefill_s(prefill)
-            if head == new_at:
-                mine = decode
-            else:
-                running.append(decode)
-            head += 1
-        n = len(running) + (mine is not None)
-        step = timing.step_s[min(n, top) - 1]
-        k = min(running) if running else mine
+    # the queue is admitted FCFS, a request each time a slot frees: until it is empty the batch is full
+    heapify(marks)
+    done, mine, full = 0, None, steps[top - 1]  # done: decode steps run; mine: the step at which the new one ends
+    for i, (prefill, decode) in enumerate(queue):
+        while len(marks) >= top:
+            end = heappop(marks)
+            t += (end - done) * full
+            done = end
+        t += prefill_s(prefill)
+        if new is not None and i == len(queue) - 1:
+            mine = done + decode
+        else:
+            heappush(marks, done + decode)
+    if mine is None or until_all:
         if mine is not None:
-            k = min(k, mine)
-        t += k * step
-        if mine is not None:
-            mine -= k
-            if mine <= 0:
-                if not until_all:
-                    return t
-                mine, new_at = None, -1
-        running = [r - k for r in running if r > k]
-        if until_all and not running and mine is None and head == len(queue):
-            return t
+            heappush(marks, mine)
+        while len(marks) > top:
+            end = heappop(marks)
+            t += (end - done) * full
+            done = end
+        return _walk(sorted(marks), steps, t, done)
+    marks.sort()
+    return _walk(marks, steps, t, done, mine, len(marks) + 1)
+
+
+def _walk(ends: list[int], steps: list[float], t: float, done: int = 0, last: int | None = None,
+          n: int | None = None) -> float:
+    """t after running from step `done` to each of the sorted `ends`, one request fewer after each, or with
+    `last` given to `last` (the ends from it on do not come first); `n` requests run at first (default:
+    len(ends))."""
+    n = len(ends) if n is None else n
+    if last is None:
+        for m in ends:
+            t += (m - done) * steps[n - 1]
+            done, n = m, n - 1
+        return t
+    for m in ends:
+        if m >= last:
+            break
+        t += (m - done) * steps[n - 1]
+        done, n = m, n - 1
+    return t + (last - done) * steps[n - 1]

@@ -9,9 +9,15 @@ from pathlib import Path
 from typing import IO
 
 from mvllm.errors import InvalidRequestError, MvllmError
+from mvllm.engine.block_manager import BLOCK_SIZE
+from mvllm.routing.blocks import SentBlocks
 from mvllm.routing.cost import Booking, Candidate, candidate
-from mvllm.routing.eta import Timing, drain_time, finish_time
+from mvllm.routing.eta import Timing, Work, drain_time, finish_time
+from mvllm.routing.lengths import Lengths, TokenRatio
 from mvllm.routing.policies import make_policy
+
+
+REFRESH = 16  # tokens between two look-ups of a running request's length estimate (in between it counts down)
 
 
 class NoBackendError(MvllmError):
@@ -31,6 +37,10 @@ class Router:
         self.estimated: set[str] = set()  # backends whose cached prefix is a shadow estimate (remote servers)
         self.external: dict[str, int] = {b: 0 for b in self.backends}
         self.recent_max_tokens: list[int] = []
+        self.lengths = Lengths()  # every finished request's length, for the policies that estimate
+        self.ratios = {b: TokenRatio() for b in self.backends}  # new-token-ratio's, per backend
+        self.sent = {b: SentBlocks() for b in self.backends}  # sglang-cache's memory of what went where
+        self.stale = {b: [0, 0] for b in self.backends}  # admissions that found less cached than booked, tokens
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
 
     def set_policy(self, text: str) -> None:
@@ -47,44 +57,102 @@ class Router:
                 raise InvalidRequestError(f"policy {policy.name} needs per-batch decode step times for backend(s) "
                                           f"{', '.join(missing)}: pass a --profile made by `mvllm profile`", "policy")
         self.policy = policy
+        for name, booked in getattr(self, "bookings", {}).items():  # their expected lengths were the old policy's
+            for b in booked.values():
+                b.left = self.expect(name, b)
 
     def alive_backends(self) -> list[str]:
         return [b for b in self.backends if self.alive[b]]
 
-    def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int]) -> dict[str, Candidate]:
-        out = {}
+    def expect(self, backend: str, b: Booking) -> int:
+        """Decode tokens a booking is expected still to make, by the lengths the policy assumes (new-token-ratio:
+        before its backend's ratio, which the replay applies: it scales every booking of a backend alike)."""
+        kind = self.policy.lengths
+        if kind == "cap":
+            return b.pending_decode
+        if kind == "estimate":
+            return self.lengths.left(b.generated, b.max_tokens)
+        if kind == "ratio":
+            return max(min(b.max_tokens - b.generated, TokenRatio.CLIP), 0)
+        end = b.max_tokens if b.length is None else min(b.length, b.max_tokens)
+        return max(end - b.generated, 0)
+
+    def left(self, backend: str, b: Booking) -> int:
+        return self.ratios[backend].scale(b.left) if self.policy.lengths == "ratio" else b.left
+
+    def work(self, backend: str, booked: list[Booking]) -> Work:
+        """The bookings as eta's replay takes them, by the policy's lengths."""
+        running = [x.left for x in booked if x.active]
+        if self.policy.lengths == "ratio":
+            ratio = self.ratios[backend].ratio
+            running = [n * ratio for n in running]
+        queue = [(x.pending_prefill, self.left(backend, x)) for x in booked if not x.active]
+        return running, [x.pending_prefill for x in booked if x.active and not x.generated], queue
+
+    def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
+                   blocks: list[int] | None = None, length: int | None = None) -> dict[str, Candidate]:
+        out, p, log = {}, self.policy, self.log is not None
+        new = Booking("", prompt_tokens, 0, max_tokens, length=length)
+        new.left = self.expect("", new)
         for b in self.alive_backends():
             r = self.rates.get(b)
-            if r:
-                booked = list(self.bookings[b].values())
-                c = candidate(b, booked, prompt_tokens, cached.get(b, 0), max_tokens, float(r["prefill_rate"]),
-                              float(r["decode_rate"]))
-                timing = self.timings.get(b)
-                if timing and (self.policy.needs_timing or self.log):
-                    c.eta = finish_time(timing, booked, prompt_tokens - cached.get(b, 0), max_tokens)
-                if timing and self.policy.needs_drain:
-                    c.drain = drain_time(timing, booked, (prompt_tokens - cached.get(b, 0), max_tokens))
-                    c.idle_drain = drain_time(timing, booked)
-                out[b] = c
+            if not r and not p.needs_load:
+                continue
+            booked = list(self.bookings[b].values())
+            have = cached.get(b, 0)
+            rates = (float(r["prefill_rate"]), float(r["decode_rate"])) if r else (0.0, 0.0)
+            if p.needs_score or log:
+                c = candidate(b, booked, prompt_tokens, have, max_tokens, *rates)
+            else:
+                c = Candidate(b, 0, 0, *rates, have, prompt_tokens=prompt_tokens)
+            if p.needs_load:
+                c.load = len(booked)
+                c.active_blocks = sum(-(-(x.prompt_tokens + x.generated) // BLOCK_SIZE) for x in booked)
+            if p.needs_blocks:
+                c.sent_prefix, c.sent_blocks = self.sent[b].match(blocks), len(self.sent[b])
+            timing = self.timings.get(b)
+            if timing and (p.needs_timing or log):
+                work = self.work(b, booked)
+                mine = (prompt_tokens - have, self.left(b, new))
+                if log and p.lengths != "cap":
+                    c.expected_decode = sum(work[0]) + sum(d for _, d in work[2]) + mine[1]
+                c.eta = finish_time(timing, work, *mine)
+                if p.needs_drain:
+                    c.drain = drain_time(timing, work, mine)
+                    c.idle_drain = drain_time(timing, work)
+            out[b] = c
         return out
 
     def route(self, request_id: str, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
-              exclude: tuple[str, ...] = ()) -> str:
+              exclude: tuple[str, ...] = (), blocks: list[int] | None = None, length: int | None = None) -> str:
         """Choose a backend and book the request there. `cached`: each backend's cached prefix now.
-        `exclude`: backends not to choose (one that just failed this request)."""
+        `exclude`: backends not to choose (one that just failed this request). `blocks`: the hash chain of the
+        prompt's full blocks (the policies that keep their own memory of prefixes need it). `length`: the true
+        output length, where a benchmark sends it (only the oracle reads it)."""
         alive = [b for b in self.alive_backends() if b not in exclude]
         if not alive:
             raise NoBackendError("no backend is alive to serve the request")
+        p = self.policy
+        if p.needs_blocks and blocks is None:
+            raise InvalidRequestError(f"policy {p.name} needs the prompt's block hashes", "policy")
         self.recent_max_tokens = (self.recent_max_tokens + [max_tokens])[-32:]
         # scores only where the policy or the routing log reads them: eta's replay costs O(queue) per backend
-        cands = self.candidates(prompt_tokens, max_tokens, cached) if self.policy.needs_rates or self.log else {}
-        choice = self.policy.choose(alive, cands)
-        self.bookings[choice][request_id] = Booking(request_id, prompt_tokens, cached.get(choice, 0), max_tokens)
+        scored = p.needs_rates or p.needs_load or self.log
+        cands = self.candidates(prompt_tokens, max_tokens, cached, blocks, length) if scored else {}
+        choice = p.choose(alive, cands)
+        booking = self.bookings[choice][request_id] = Booking(request_id, prompt_tokens, cached.get(choice, 0),
+                                                              max_tokens, length=length)
+        booking.left = self.expect(choice, booking)
         self.decisions[choice] += 1
+        if p.needs_blocks:
+            self.sent[choice].insert(blocks)
         if self.log:
+            expected = ({"expected_tokens": self.left(choice, booking),
+                         "lengths": self.lengths.state() if p.lengths == "estimate" else p.lengths}
+                        if p.lengths != "cap" else {})
             self.log.write(json.dumps({
-                "request_id": request_id, "time": time.time(), "policy": self.policy.name, "choice": choice,
-                "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                "request_id": request_id, "time": time.time(), "policy": p.name, "choice": choice,
+                "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, **expected,
                 "candidates": {b: c.as_dict() for b, c in cands.items()},
                 **({"estimated_cache": sorted(self.estimated), "cached_prefix": cached} if self.estimated else {}),
                 **({"external": {b: n for b, n in self.external.items() if n}} if any(self.external.values())
@@ -111,21 +179,41 @@ class Router:
         booking = self.bookings[backend].get(request_id)
         if booking:
             booking.active, booking.actual_cached = True, cached_tokens
+            if cached_tokens < booking.estimated_cached:  # evicted between routing and admission
+                self.stale[backend][0] += 1
+                self.stale[backend][1] += booking.estimated_cached - cached_tokens
 
     def on_tokens(self, backend: str, request_id: str, count: int) -> None:
         booking = self.bookings[backend].get(request_id)
         if booking:
             booking.active = True
             booking.generated += count
+            fresh = self.policy.lengths != "estimate" or booking.generated % REFRESH < count
+            booking.left = self.expect(backend, booking) if fresh else max(booking.left - count, 1)
 
-    def on_finished(self, backend: str, request_id: str) -> None:
-        self.bookings[backend].pop(request_id, None)
+    def on_step(self, backend: str) -> None:
+        """The backend ran a decode step (new-token-ratio's ratio decays by steps)."""
+        self.ratios[backend].step()
+
+    def on_preempted(self, backend: str) -> None:
+        """The backend preempted a request (SGLang's retraction): new-token-ratio resets to what is used."""
+        booked = [b for b in self.bookings[backend].values() if b.active]
+        self.ratios[backend].retracted(sum(b.generated for b in booked), sum(b.max_tokens for b in booked),
+                                       len(booked))
+
+    def on_finished(self, backend: str, request_id: str, reason: str | None = None) -> None:
+        """A request left the backend. `reason`: "stop" (it ended by itself: its length), "length" (at its cap)
+        or "abort" (its client left): each tells the length estimate what it made; None (it failed) does not."""
+        booking = self.bookings[backend].pop(request_id, None)
+        if booking is not None and reason is not None:
+            self.lengths.finished(booking.generated, reason == "stop")
 
     def on_dead(self, backend: str) -> list[str]:
         """Stop choosing a backend; returns the ids of the requests it held."""
         self.alive[backend] = False
         held = list(self.bookings[backend])
         self.bookings[backend].clear()
+        self.sent[backend].clear()  # a restarted worker starts with an empty cache
         return held
 
     def revive(self, backend: str) -> None:

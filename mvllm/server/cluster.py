@@ -15,6 +15,7 @@ from mvllm.backends.events import Aborted, BackendEvent, Dead, Done, Error, Load
 from mvllm.backends.process import ProcessBackend
 from mvllm.backends.remote import RemoteBackend
 from mvllm.backends.spec import BackendSpec
+from mvllm.engine.block_manager import block_hashes
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 from mvllm.routing.router import Router
@@ -92,20 +93,25 @@ class Cluster:
                 for rid, cached in admitted:
                     self.router.on_scheduled(name, rid, cached)
                     self._put(rid, Event(cached_tokens=cached))
+                self.metrics.stale_cache.labels(name).set(self.router.stale[name][0])
             case Step(tokens, load):
+                if load.get("preemptions", 0) > self.snapshots[name].get("preemptions", 0):
+                    self.router.on_preempted(name)
                 self.snapshots[name].update(load)
                 self.metrics.observe_snapshot(name, load)
+                if tokens:
+                    self.router.on_step(name)
                 for rid, token, reason in tokens:
                     self.unstarted.pop(rid, None)
                     self.router.on_tokens(name, rid, 1)
                     if reason:
-                        self.router.on_finished(name, rid)
+                        self.router.on_finished(name, rid, reason)
                     self._put(rid, Event(token=token, finish_reason=reason))
             case Error(rid, message):
                 self._ended(name, rid, Event(error=message))
             case Aborted(rid, generated, at):
                 self.router.note({"aborted": rid, "backend": name, "generated": generated, "time": at})
-                self._ended(name, rid, Event(finish_reason="abort"))
+                self._ended(name, rid, Event(finish_reason="abort"), "abort")
             case Done(rid, reason):  # a remote's request ended after its last token
                 self._done(name, rid, reason)
             case Lost(rid, why):  # a remote's request failed while the remote still answers its health probe
@@ -125,9 +131,9 @@ class Cluster:
             case _:
                 raise TypeError(f"backend {name} sent {event!r}, which is no event")
 
-    def _ended(self, name: str, rid: str, event: Event) -> None:
+    def _ended(self, name: str, rid: str, event: Event, reason: str | None = None) -> None:
         self.unstarted.pop(rid, None)
-        self.router.on_finished(name, rid)
+        self.router.on_finished(name, rid, reason)
         self._put(rid, event)
 
     def _dead(self, name: str) -> None:
@@ -148,7 +154,7 @@ class Cluster:
         if booking is not None and name in self.router.estimated:
             self.router.note({"request_id": rid, "time": time.time(), "event": "remote_cache", "backend": name,
                               "estimated_cached": booking.estimated_cached, "actual_cached": booking.actual_cached})
-        self._ended(name, rid, Event(finish_reason=reason))
+        self._ended(name, rid, Event(finish_reason=reason), reason)
 
     def _lost(self, name: str, rid: str, why: str) -> None:
         """One request failed on a backend that is still up: elsewhere if it had not started, else an error."""
@@ -166,7 +172,7 @@ class Cluster:
         token_ids, params, arrival = self.unstarted[rid]
         try:
             cached = await self.cached_prefix(token_ids)
-            name = self.router.route(rid, len(token_ids), params.max_tokens, cached, exclude)
+            name = self.route(rid, token_ids, params, cached, exclude)
             self.backends[name].submit(rid, token_ids, params, arrival)
         except MvllmError as e:
             self.unstarted.pop(rid, None)
@@ -223,6 +229,15 @@ class Cluster:
                                      return_exceptions=True)
         return {b.name: v for b, v in zip(alive, found) if isinstance(v, int)}
 
+    def route(self, rid: str, token_ids: list[int], params: SamplingParams, cached: dict[str, int],
+              exclude: tuple[str, ...] = ()) -> str:
+        """The router's decision, timed into /metrics (mvllm_routing_decision_seconds)."""
+        start = time.perf_counter()
+        blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
+        name = self.router.route(rid, len(token_ids), params.max_tokens, cached, exclude, blocks, params.stop_at)
+        self.metrics.route_seconds.observe(time.perf_counter() - start)
+        return name
+
     async def submit(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
                      prefix: str = "cmpl") -> tuple[str, str]:
         """Route and submit one request; returns (request id, backend name)."""
@@ -230,7 +245,7 @@ class Cluster:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         rid, arrival = f"{prefix}-{uuid.uuid4().hex[:16]}", arrival or time.time()
         cached = await self.cached_prefix(token_ids)
-        name = self.router.route(rid, len(token_ids), params.max_tokens, cached)
+        name = self.route(rid, token_ids, params, cached)
         self.streams[rid] = asyncio.Queue()
         self.owner[rid] = name
         self.unstarted[rid] = (token_ids, params, arrival)
@@ -259,7 +274,7 @@ class Cluster:
                 self.abort(name, rid)
 
     def abort(self, name: str, rid: str) -> None:
-        self.router.on_finished(name, rid)
+        self.router.on_finished(name, rid, "abort")
         try:
             self.backends[name].abort(rid)
         except MvllmError:

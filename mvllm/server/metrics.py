@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 
 
 class Metrics:
@@ -29,6 +30,11 @@ class Metrics:
         self.restarts = Counter("mvllm_backend_restarts", "Times the backend's worker was respawned", b, registry=r)
         self.rerouted = Counter("mvllm_requests_rerouted", "Requests moved off the backend when it died before "
                                 "sending them a token", b, registry=r)
+        self.route_seconds = Histogram("mvllm_routing_decision_seconds", "The router's time to place one request "
+                                       "(its policy's scores and the block hashes it reads)", buckets=ROUTE_BUCKETS,
+                                       registry=r)
+        self.stale_cache = Gauge("mvllm_stale_prefix_estimates", "Requests admitted with less cached than the "
+                                 "router counted when it placed them (evicted meanwhile)", b, registry=r)
         for name in backends:
             self.backend_up.labels(name).set(1)
             for counter in (self.routed, self.restarts, self.rerouted):

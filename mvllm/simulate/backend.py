@@ -88,10 +88,13 @@ class Backend:
         """The engine's schedule(): room for the next token of each request in `into` (`ahead`: tokens in
         flight), then admissions; returns their prefill's extra seconds."""
         if self.kv.bounded:
+            before = self.preemptions
             for job in [j for j in into if j.generated + ahead > j.room]:
                 while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
                     self.preempt(into[-1], into, ahead)
                 job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
+            if self.preemptions > before:
+                router.on_preempted(self.name)
         return self.admit(router, into)
 
     def preempt(self, job: Job, into: list, ahead: int) -> None:
@@ -156,10 +159,11 @@ class Backend:
                     self._commit(job, len(job.prompt) + job.generated - 1 + (job in planned))
                     self.kv.release(job.table)
                 job.done = True
-                router.on_finished(name, job.rid)
+                router.on_finished(name, job.rid, rec.finish_reason)
                 finished.append(job)
             elif not job.preempted:
                 keep.append(job)
         self.running = keep
         self.busy = False
+        router.on_step(name)
         return finished

@@ -174,7 +174,8 @@ def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Rou
                 prompts[req.id] = (prompt, hashes)
             rid = f"sim-{req.id}"
             cached = {name: b.kv.cached_prefix_len(hashes, n) for name, b in backends.items()}
-            name = router.route(rid, n, limit, cached)
+            blocks = hashes[:n // BLOCK_SIZE] if router.policy.needs_blocks else None
+            name = router.route(rid, n, limit, cached, blocks=blocks, length=req.output_tokens)
             rec.backend = name
             backend = backends[name]
             job = Job(rec, prompt, min(req.output_tokens, limit), rid, limit=limit, hashes=hashes)
