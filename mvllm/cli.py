@@ -205,6 +205,9 @@ def simulate(
     spread: float = typer.Option(0.08, help="Also simulate every backend's steps this much faster and slower "
                                             "(a host's run-to-run drift; 0.08 measured on the H200) and show "
                                             "the p95 TTFT band; 0 skips it (a third of the time)."),
+    warm_lengths: bool = typer.Option(False, "--warm-lengths",
+                                      help="Start the router's length estimate from the workload sent once "
+                                           "before (a server that has served this traffic), not from nothing."),
     url: str = typer.Option(None, hidden=True),  # bench's option, refused in one line
 ):
     """Predict an experiment from a profile without running it: its workload through the real router and
@@ -234,7 +237,7 @@ def simulate(
         return
     if not 0 <= spread < 1:
         raise MvllmError(f"--spread must be in [0, 1), not {spread}")
-    rows = run(exp, data, policies, folder, spread=spread,
+    rows = run(exp, data, policies, folder, spread=spread, warm_lengths=warm_lengths,
                say=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False))
     console.print(table(exp, rows, measured(Path("results") / exp.name)))
     console.print(f"wrote {len(rows)} summaries under {folder}", highlight=False)

@@ -173,7 +173,6 @@ def test_makespan_policy_keeps_the_batch_end_earliest_where_eta_would_not():
 
 
 def test_drain_time_is_when_the_last_booked_request_ends():
-    from mvllm.routing.cost import Booking
     from mvllm.routing.eta import Timing, drain_time, finish_time
 
     timing = Timing(prefill_rate=1000.0, step_s=[0.01, 0.02])

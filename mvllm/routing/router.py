@@ -3,19 +3,19 @@ backend's bookings current from the events its worker sends back."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
 from typing import IO
 
-from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.engine.block_manager import BLOCK_SIZE
+from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.routing.blocks import SentBlocks
 from mvllm.routing.cost import Booking, Candidate, candidate
 from mvllm.routing.eta import Timing, Work, drain_time, finish_time
 from mvllm.routing.lengths import Lengths, TokenRatio
 from mvllm.routing.policies import make_policy
-
 
 REFRESH = 16  # tokens between two look-ups of a running request's length estimate (in between it counts down)
 
@@ -26,9 +26,10 @@ class NoBackendError(MvllmError):
 
 class Router:
     def __init__(self, backends: list[str], policy: str, rates: dict[str, dict] | None = None,
-                 log_path: str | Path | None = None):
+                 log_path: str | Path | None = None, lengths: Lengths | None = None):
         self.backends = list(backends)
         self.rates = rates or {}
+        self.seen_before = lengths
         self.timings = {b: Timing.from_profile(r) for b, r in self.rates.items() if "prefill_rate" in r}
         self.set_policy(policy)
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
@@ -37,14 +38,14 @@ class Router:
         self.estimated: set[str] = set()  # backends whose cached prefix is a shadow estimate (remote servers)
         self.external: dict[str, int] = {b: 0 for b in self.backends}
         self.recent_max_tokens: list[int] = []
-        self.lengths = Lengths()  # every finished request's length, for the policies that estimate
-        self.ratios = {b: TokenRatio() for b in self.backends}  # new-token-ratio's, per backend
-        self.sent = {b: SentBlocks() for b in self.backends}  # sglang-cache's memory of what went where
         self.stale = {b: [0, 0] for b in self.backends}  # admissions that found less cached than booked, tokens
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
 
     def set_policy(self, text: str) -> None:
-        """Route new requests by this policy (fresh state: split:K counts from zero again)."""
+        """Route new requests by this policy, with fresh state: split:K counts from zero again, new-token-ratio
+        starts at its first ratio, sglang-cache remembers sending nothing, and the length estimate starts from
+        what the router was given (`lengths`: requests seen before it; else nothing: the caps) and learns again,
+        so each benchmark run on a shared server starts as on a fresh one."""
         policy = make_policy(text, self.backends)
         if policy.needs_rates:
             missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
@@ -57,6 +58,9 @@ class Router:
                 raise InvalidRequestError(f"policy {policy.name} needs per-batch decode step times for backend(s) "
                                           f"{', '.join(missing)}: pass a --profile made by `mvllm profile`", "policy")
         self.policy = policy
+        self.lengths = copy.deepcopy(self.seen_before) if self.seen_before else Lengths()
+        self.ratios = {b: TokenRatio() for b in self.backends}  # new-token-ratio's, per backend
+        self.sent = {b: SentBlocks() for b in self.backends}  # sglang-cache's memory of what went where
         for name, booked in getattr(self, "bookings", {}).items():  # their expected lengths were the old policy's
             for b in booked.values():
                 b.left = self.expect(name, b)

@@ -33,6 +33,7 @@ from mvllm.bench.metrics import RequestRecord, summarize
 from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
+from mvllm.routing.lengths import Lengths
 from mvllm.routing.rates import rates_as_served
 from mvllm.routing.router import Router
 from mvllm.simulate.backend import Backend, Job
@@ -86,10 +87,11 @@ def reply_hashes(req: wl.Request, prompt: list[int], hashes: list[int], vocab: i
 
 
 def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list | None = None,
-            believed: dict | None = None, built: wl.Built | None = None) -> dict:
+            believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None) -> dict:
     """One simulated run; `keep`, if given, receives the per-request records. `believed`: the profile the
     router decides by, where it differs from the one the backends run by (the model's error). `built`: the
-    workload, where the caller has built it already (a trace takes seconds)."""
+    workload, where the caller has built it already (a trace takes seconds). `lengths`: the length estimate's
+    start (a server that has seen this traffic before; default: none seen)."""
     text = default_backends() if exp.backends == "default" else exp.backends
     specs = parse_backends(text, exp.max_active, check_devices=False)
     most = {s.name: s.max_active for s in specs}
@@ -97,7 +99,8 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     blocks = kv_blocks(profile, specs)
     backends = {name: Backend(name, t, KVCache(blocks[name]))
                 for name, t in timings(rates, [s.name for s in specs]).items()}
-    router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates)
+    router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates,
+                    lengths=lengths)
     built = built or wl.build_all(exp.workload, vocab, exp.model)
     if exp.workload.warm and built.prefix:
         hashes, n = chain(built.prefix), len(built.prefix)
@@ -218,34 +221,52 @@ DRIFT = 0.08
 
 
 def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict,
-         believed: dict | None = None, built: wl.Built | None = None) -> dict:
+         believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None) -> dict:
     """The same run with every backend's steps `spread` faster and slower than profiled, the router still
     deciding by the profile (or by `believed`): how far the prediction moves within a host's run-to-run drift. A narrow band is
     a firm prediction; a wide one says the load sits at a backend's capacity, where a few percent of step
     time decide whether requests queue. `base`, the run as profiled, lies in it (a tail need not move
     monotonically with the step time)."""
     runs = [base] + [run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}), vocab,
-                             believed=believed or profile, built=built) for f in (1 - spread, 1 + spread)]
+                             believed=believed or profile, built=built, lengths=lengths)
+                           for f in (1 - spread, 1 + spread)]
     return {"spread": spread, **{k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in BAND_KEYS}}
+
+
+def seen(requests: list[wl.Request]) -> Lengths:
+    """A length estimate that has seen these requests finish, in send order, as the router sees them: each
+    stopped by itself at its length, or at its cap (lengths told: every one)."""
+    lengths = Lengths()
+    for r in sorted(requests, key=lambda r: (r.parent is not None, r.arrival)):
+        cap = r.cap
+        lengths.finished(min(r.output_tokens, cap) if cap is not None else r.output_tokens,
+                         cap is None or r.output_tokens < cap)
+    if lengths.ready:
+        lengths.fit()
+    return lengths
 
 
 def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | None,
              believed: dict | None = None, spread: float = 0.0, built: wl.Built | None = None,
-             say=None) -> list[dict]:
+             say=None, warm_lengths: bool = False) -> list[dict]:
     """One summary per (setting, policy), in the order bench runs them. `spread` > 0 adds each one's `band`.
     `built`: the workload built already (an experiment without a sweep). `say(line)` hears what each setting's
-    workload selected (also saved as workload.json in `out`, as bench saves it)."""
+    workload selected (also saved as workload.json in `out`, as bench saves it). `warm_lengths`: each run's
+    length estimate starts from the lengths of the same workload sent once before (a server that has served
+    this traffic before), not from nothing."""
     if exp.workload.arrival not in ("fixed", "poisson", "gamma", "trace"):
         raise SimulateError(f"arrival {exp.workload.arrival!r} cannot be simulated")
     rows = []
     for value, point in exp.points():
         vocab = wl.vocab_of(point.model, point.workload)
         built = built if built is not None and exp.sweep is None else wl.build_all(point.workload, vocab, point.model)
+        warm = seen(built.requests) if warm_lengths else None
         for policy in policies:
-            summary = run_one(point, policy, profile, vocab, believed=believed, built=built)
+            summary = run_one(point, policy, profile, vocab, believed=believed, built=built, lengths=warm)
             if spread > 0:
-                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed, built)
-            summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True)
+                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed, built, warm)
+            summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True,
+                           **({"warm_lengths": len(warm.seen)} if warm else {}))
             rows.append(summary)
             if out is not None:
                 label = policy.replace(":", "-") + ("" if value is None else f"-{exp.sweep.knob}-{value}")
