@@ -15,6 +15,8 @@
 #                                    # prompt lengths, and how soon a client's disconnect frees its slot
 #   RUNS=results/real-traffic bash experiments/h200.sh y   # the trace window; z: shared-prefix, paper-48-hidden
 #                                    # (commit `mvllm simulate`'s prediction from x's profile first)
+#   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic (issue 26): the router alone,
+#                                    # then every policy on paper-48-hidden, shared-prefix, the trace, 3 backends
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
@@ -46,8 +48,12 @@ bench() {  # bench MAX_S EXPERIMENT: fresh results folder, the session's one pro
     rm -rf "${runs:?}/$2" && mkdir -p "$runs/$2" && cp "$profile" "$runs/$2/profile.json"
     run "$1" "$2" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$2"
 }
+pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and runs into $runs/FOLDER
+    rm -rf "${runs:?}/$3" && mkdir -p "$runs/$3" && cp "$profile" "$runs/$3/profile.json"
+    run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
+}
 for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -79,6 +85,16 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
     z) bench 250 shared-prefix
        bench 200 paper-48-hidden ;;
     w) bench 200 shared-prefix-30 ;;
+    # routing real traffic (issue 26), RUNS=results/routing, its profile.json committed (the real-traffic one
+    # with a copy of cpu as cpu2); each stage's predictions committed first under results/routing/predicted
+    r1) run 60 router-speed python3 experiments/router_speed.py --out "$runs/router-speed.json"
+        pbench 230 paper-48-hidden paper-48-hidden 1 \
+            gpu-only,mixed,eta-caps,eta,oracle,new-token-ratio,sglang-cache,kv-cost,round-robin
+        pbench 270 shared-prefix shared-prefix 1 gpu-only,eta-caps,eta,oracle,new-token-ratio,kv-cost ;;
+    r2) pbench 380 trace-conversation trace-conversation 1 gpu-only,mixed,eta-caps,eta,oracle,new-token-ratio
+        pbench 180 split3-paper-48-hidden split3-paper-48-hidden 1 gpu-only,eta,oracle,kv-cost,round-robin ;;
+    r3) pbench 330 trace-conversation trace-conversation-r2 2 gpu-only,eta,oracle
+        pbench 200 shared-prefix shared-prefix-r2 2 gpu-only,eta ;;
     tar) [[ -n ${OUT:-} ]] && tar czf "$OUT/runs.tgz" "$runs" ;;  # the device's reply keeps shallow files only
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
