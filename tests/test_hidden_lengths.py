@@ -52,8 +52,8 @@ def test_benchmark_length_ends_the_request_with_stop_and_leaves_routing_as_it_wa
 
 
 def test_the_routing_path_reads_a_true_length_only_for_the_oracle():
-    """The true length enters the router as `length` (a booking's), and only Router.left reads it, in the branch
-    of the oracle's lengths ("true"); the server passes the benchmark's field there and nowhere else."""
+    """The true length enters the router as `length` (a booking's), and only Router.expect reads it, in the
+    branch of the oracle's lengths ("true"); the server passes the benchmark's field there and nowhere else."""
     for path in (ROOT / "mvllm" / "routing").glob("*.py"):
         tree = ast.parse(path.read_text())
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
@@ -62,10 +62,11 @@ def test_the_routing_path_reads_a_true_length_only_for_the_oracle():
         readers = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                    for n in ast.walk(f) if isinstance(n, ast.Attribute) and n.attr == "length"
                    and isinstance(n.ctx, ast.Load)}
-        assert readers <= ({"left"} if path.name == "router.py" else set()), (path, readers)
-    left = next(f for f in ast.walk(ast.parse((ROOT / "mvllm" / "routing" / "router.py").read_text()))
-                if isinstance(f, ast.FunctionDef) and f.name == "left")
-    assert ast.unparse(left).index("b.length") > ast.unparse(left).rindex("return self.ratios")  # after every other kind
+        assert readers <= ({"expect"} if path.name == "router.py" else set()), (path, readers)
+    expect = next(f for f in ast.walk(ast.parse((ROOT / "mvllm" / "routing" / "router.py").read_text()))
+                  if isinstance(f, ast.FunctionDef) and f.name == "expect")
+    text = ast.unparse(expect)
+    assert text.index("b.length") > text.rindex("if kind == 'ratio'")  # past every other kind's return
     cluster = ast.parse((ROOT / "mvllm" / "server" / "cluster.py").read_text())
     uses = [n for n in ast.walk(cluster) if isinstance(n, ast.Attribute) and n.attr == "stop_at"]
     route_calls = [n for n in ast.walk(cluster) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "route"

@@ -27,6 +27,7 @@ class Lengths:
         self.seen: deque[tuple[int, bool]] = deque(maxlen=window)  # (tokens made, stopped by itself)
         self.min_finished, self.refit_every = min_finished, refit_every
         self.fresh = 0  # finished since the last fit
+        self.fits = 0  # fits so far: an estimate made before the last one is stale
         self.times: list[int] = []  # the distinct observed lengths where S falls
         self.surv: list[float] = []  # S(t) for times[j] <= t < times[j + 1]
         self.area: list[float] = []  # A(times[j]) = sum of S(t) for t < times[j]
@@ -48,6 +49,7 @@ class Lengths:
         """Kaplan-Meier over the window: at each observed length, S falls by the share of those still running
         there that stopped there."""
         self.fresh = 0
+        self.fits += 1
         counts: dict[int, list[int]] = {}
         for t, stopped in self.seen:
             c = counts.setdefault(t, [0, 0])

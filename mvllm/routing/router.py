@@ -59,6 +59,7 @@ class Router:
                                           f"{', '.join(missing)}: pass a --profile made by `mvllm profile`", "policy")
         self.policy = policy
         self.lengths = copy.deepcopy(self.seen_before) if self.seen_before else Lengths()
+        self.fitted = self.lengths.fits
         self.ratios = {b: TokenRatio() for b in self.backends}  # new-token-ratio's, per backend
         self.sent = {b: SentBlocks() for b in self.backends}  # sglang-cache's memory of what went where
         for name, booked in getattr(self, "bookings", {}).items():  # their expected lengths were the old policy's
@@ -93,9 +94,19 @@ class Router:
         queue = [(x.pending_prefill, self.left(backend, x)) for x in booked if not x.active]
         return running, [x.pending_prefill for x in booked if x.active and not x.generated], queue
 
+    def reestimate(self) -> None:
+        """Every booking's expected length again, from the estimate's last fit (once per fit: the bookings made
+        before it, waiting ones above all, would keep the estimate, or the cap, of their time)."""
+        self.fitted = self.lengths.fits
+        for name, booked in self.bookings.items():
+            for b in booked.values():
+                b.left = self.expect(name, b)
+
     def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
                    blocks: list[int] | None = None, length: int | None = None) -> dict[str, Candidate]:
         out, p, log = {}, self.policy, self.log is not None
+        if p.lengths == "estimate" and self.fitted != self.lengths.fits:
+            self.reestimate()
         new = Booking("", prompt_tokens, 0, max_tokens, length=length)
         new.left = self.expect("", new)
         for b in self.alive_backends():
@@ -192,8 +203,10 @@ class Router:
         if booking:
             booking.active = True
             booking.generated += count
-            fresh = self.policy.lengths != "estimate" or booking.generated % REFRESH < count
-            booking.left = self.expect(backend, booking) if fresh else max(booking.left - count, 1)
+            if self.policy.lengths != "estimate" or booking.generated % REFRESH < count:
+                booking.left = self.expect(backend, booking)
+            else:  # counts down to the next look-up, within the cap
+                booking.left = min(max(booking.left - count, 1), max(booking.max_tokens - booking.generated, 0))
 
     def on_step(self, backend: str) -> None:
         """The backend ran a decode step (new-token-ratio's ratio decays by steps)."""
