@@ -93,8 +93,7 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
         pbench 270 shared-prefix shared-prefix 1 gpu-only,eta-caps,eta,oracle,new-token-ratio,kv-cost ;;
     r2) pbench 380 trace-conversation trace-conversation 1 gpu-only,mixed,eta-caps,eta,oracle,new-token-ratio
         pbench 180 split3-paper-48-hidden split3-paper-48-hidden 1 gpu-only,eta,oracle,kv-cost,round-robin ;;
-    r3) pbench 330 trace-conversation trace-conversation-r2 2 gpu-only,eta,oracle
-        pbench 200 shared-prefix shared-prefix-r2 2 gpu-only,eta ;;
+    r3) pbench 560 trace-conversation trace-conversation-r2 2 gpu-only,eta,oracle,new-token-ratio ;;
     tar) [[ -n ${OUT:-} ]] && tar czf "$OUT/runs.tgz" "$runs" ;;  # the device's reply keeps shallow files only
     *) echo "unknown stage $stage"; exit 2 ;;
     esac

@@ -8,10 +8,11 @@ eta-caps (the finish-time model, caps); eta (the same, the length estimate learn
 requests finished); eta warm (its estimate started from the same workload sent once before); new-token-ratio
 (SGLang's rule); oracle (eta told the true lengths); the best static split:K, K = 1..12, chosen in hindsight.
 recovered = (eta-caps - policy) / (eta-caps - oracle), where the oracle beats eta-caps by more than 0.5%.
-One draw of the lengths (the experiment's seed 0) is the table; SEEDS redraws them for how firm it is. Also
-writes the f = 0.8 profile for the grid. Run: `python experiments/m2_hidden.py` (writes
-results/simulate/m2-hidden.json; then `mvllm simulate experiments/paper-48-hidden.toml --grid
---profile results/simulate/m2-hidden-grid/profile.json --out results/simulate/m2-hidden-grid`).
+One draw of the lengths (the experiment's seed 0) is the table; SEEDS redraws them (the mean change, and
+recovered from the means) for how firm it is. Also writes the f = 0.8 profile for the grid. Run:
+`python experiments/m2_hidden.py` (writes results/simulate/m2-hidden.json; then `mvllm simulate
+experiments/paper-48-hidden.toml --grid --profile results/simulate/m2-hidden-grid/profile.json
+--out results/simulate/m2-hidden-grid`).
 """
 
 from __future__ import annotations
@@ -99,13 +100,19 @@ def main() -> int:
         entry["hidden_seeds"] = {p: [d[p]["change"] for d in draws] for p in draws[0]}
         out["shares"].append(entry)
     print(f"\nOver {len(SEEDS)} draws of the hidden lengths (seeds {SEEDS[0]}-{SEEDS[-1]}): change of batch "
-          "completion against gpu-only, median [min, max], draws better by > 0.5%")
-    print("| f | " + " | ".join(p for p in HIDDEN[1:] + ["best split"]) + " |")
-    print("| --- " * len(HIDDEN) + "| --- |")
+          "completion against gpu-only, mean [min, max], draws better by > 0.5%")
+    print("| f | " + " | ".join(p for p in HIDDEN[1:] + ["best split"]) + " | recovered (mean changes): eta / eta warm "
+          "/ new-token-ratio |")
+    print("| --- " * (len(HIDDEN) + 1) + "| --- |")
     for entry in out["shares"]:
-        cells = [f"{100 * statistics.median(c):+.1f}% [{100 * min(c):+.0f}, {100 * max(c):+.0f}] "
+        cells = [f"{100 * statistics.mean(c):+.1f}% [{100 * min(c):+.0f}, {100 * max(c):+.0f}] "
                  f"{sum(x < -GAIN for x in c)}/{len(c)}"
                  for p, c in entry["hidden_seeds"].items() if p != "gpu-only"]
+        mean = {p: statistics.mean(c) for p, c in entry["hidden_seeds"].items()}
+        gap = mean["eta-caps"] - mean["oracle"]
+        entry["recovered_of_means"] = {p: (mean["eta-caps"] - mean[p]) / gap if gap > GAIN else None
+                                       for p in ("eta", "eta warm", "new-token-ratio")}
+        cells.append(" / ".join("-" if r is None else f"{100 * r:.0f}%" for r in entry["recovered_of_means"].values()))
         print(f"| {entry['share']} | " + " | ".join(cells) + " |")
     for entry in out["shares"]:
         e = entry["eta_cold"]
