@@ -2,6 +2,9 @@
 p95 E2EL and prefix-hit rate per experiment and policy, as a markdown table and JSON.
 
     python experiments/real_traffic_table.py [results/real-traffic] [--out results/real-traffic/vs-predicted.json]
+
+Measured runs of an experiment are those in its folder and in any <experiment>-r<N> beside it (more runs of
+the same experiment in a later call, as in results/routing).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ def main() -> None:
     rows = []
     for pred_dir in sorted((a.folder / "predicted").iterdir()):
         runs = measured(a.folder / pred_dir.name)
-        for pol_dir in sorted(pred_dir.iterdir()):
+        for more in sorted(a.folder.glob(f"{pred_dir.name}-r[0-9]*")):
+            for policy, got in measured(more).items():
+                runs.setdefault(policy, []).extend(got)
+        for pol_dir in sorted(d for d in pred_dir.iterdir() if d.is_dir()):
             p = json.loads((pol_dir / "summary.json").read_text())
             got = runs.get(p["policy"])
             if not got:

@@ -151,7 +151,9 @@ async def replay(url: str, model: str | None, requests: list[Request], timeout: 
     ended = {r.id: asyncio.Event() for r in requests}
     prompts: dict[int, list[int]] = {}
     replies: dict[int, list[int]] = {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # an idle connection is dropped after 2 s, before a server's keep-alive ends (uvicorn's default: 5 s): a
+    # request sent on a connection the server is closing fails with ReadError (one did on the H200 trace runs)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as http:
         t0, t0_wall = time.perf_counter(), time.time()
 

@@ -83,7 +83,8 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
                           for s in specs)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=30)
         GracefulServer(config, cluster, shutdown_timeout, console).run()
     finally:
         cluster.shutdown()

@@ -105,7 +105,7 @@ def draw(data: dict, path: Path) -> None:
     fig.subplots_adjust(hspace=0.35, wspace=0.3)
     fig.colorbar(image, ax=axes, shrink=0.6, label="change against gpu-only (%; blue is better)")
     fig.suptitle(f"Where the CPU pays: {data['experiment']} simulated from its profile "
-                 "(★ the measured H200 setting; dashed: the reference M2's CPU/GPU ratio)")
+                 "(★ the experiment as profiled; dashed: the reference M2's CPU/GPU ratio)")
     save(fig, path)
 
 
