@@ -109,8 +109,7 @@ def kernels(spec: BackendSpec, dtype: str, quant: str) -> dict:
     if quant == "int8w":
         out["int8"] = kernel_state(cpu_int8)
     else:
-        out["int8"] = {"used": False, "why": "needs AVX-512 to be the default" if not machine.avx512()
-                       else f"not used by quant={quant}"}
+        out["int8"] = {"used": False, "why": f"not used by quant={quant}"}
     return out
 
 

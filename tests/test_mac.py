@@ -64,11 +64,12 @@ def test_env_says_what_the_mac_runs(mac):
     assert build["compute_cores"] == 4 and "performance cores" in facts["compute_cores"]
     for name in ("gpu", "cpu"):  # no MPS in the emulation: two CPU backends, sharing the 4 performance cores
         b = facts["backends"][name]
-        assert (b["dtype"], b["quant"], b["threads"]) == ("float32", "none", 2)
-        fused = b["kernels"]["fused"]
-        assert fused["used"] and fused["openmp"] and fused["flags"][:3] == ["-O3", "-Xpreprocessor", "-fopenmp"]
-        assert "-lomp" in fused["ldflags"]
-        assert not b["kernels"]["int8"]["used"]  # no AVX-512: the int8 kernel is not even built
+        assert (b["dtype"], b["quant"], b["threads"]) == ("float32", "int8w", 2)
+        assert "portable" in b["picked"]
+        for kernel in ("fused", "int8"):  # no AVX-512: the int8 kernel's portable path
+            k = b["kernels"][kernel]
+            assert k["used"] and k["openmp"] and k["flags"][:3] == ["-O3", "-Xpreprocessor", "-fopenmp"]
+            assert "-lomp" in k["ldflags"]
     text = mvllm(mac, "env")
     assert text.returncode == 0 and "oneDNN no" in text.stdout and "built with -O3 -Xpreprocessor -fopenmp" in text.stdout
 
@@ -77,7 +78,7 @@ def test_generate_runs_on_the_default_model(mac):
     out = mvllm(mac, "generate", "What is the capital of France?", "--max-tokens", "12")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout
-    assert "(smollm2-135m, cpu, float32)" in out.stderr
+    assert "(smollm2-135m, cpu, float32 int8w)" in out.stderr
 
 
 def test_profile_records_the_mode_and_the_build(mac):
@@ -89,7 +90,7 @@ def test_profile_records_the_mode_and_the_build(mac):
     profile = json.loads(path.read_text())
     assert profile["environment"]["build"]["onednn"] is False
     for b in profile["backends"].values():
-        assert (b["dtype"], b["quant"], b["threads"], b["fused"]) == ("float32", "none", 2, True)
+        assert (b["dtype"], b["quant"], b["threads"], b["fused"]) == ("float32", "int8w", 2, True)
         assert b["env"]["kernels"]["fused"]["openmp"]
 
 

@@ -94,18 +94,22 @@ def test_the_pick_says_what_it_chose():
     assert (config.dtype, config.quant, config.picked) == (dtype, mode, why)
 
 
-@pytest.mark.parametrize("kernel, bf16, expect", [
-    (False, True, ("bfloat16", "none")),
-    (False, False, ("float32", "none")),
-    (True, False, ("float32", "int8w")),
+@pytest.mark.parametrize("kernel, avx512, bf16, expect", [
+    (False, False, True, ("bfloat16", "none")),
+    (False, False, False, ("float32", "none")),
+    (True, True, False, ("float32", "int8w")),
+    (True, False, False, ("float32", "int8w")),  # an ARM Mac: the kernel's portable path (NEON)
+    (True, False, True, ("float32", "int8w")),  # a quarter of float32's bytes beats bf16's half
 ])
-def test_pick_falls_back_per_machine(monkeypatch, kernel, bf16, expect):
-    """An ARM Mac (no AVX-512 kernel, no oneDNN bf16) gets float32; a CPU with native bf16 but no kernel, bf16."""
+def test_pick_falls_back_per_machine(monkeypatch, kernel, avx512, bf16, expect):
+    """int8w wherever the int8 kernel builds (AVX-512 or its portable path); where it does not, bf16 on a CPU
+    with native bf16, else float32."""
     monkeypatch.setattr(cpu_int8, "available", lambda: kernel)
-    monkeypatch.setattr(quant, "avx512", lambda: kernel)
+    monkeypatch.setattr(quant, "avx512", lambda: avx512)
     real = quant.packable
     monkeypatch.setattr(quant, "packable", lambda d, t: bf16 if t == torch.bfloat16 else real(d, t))
     assert cpu_mode(None, None)[:2] == expect
+    assert ("portable" in cpu_mode(None, None)[2]) == (kernel and not avx512)
     if not kernel:
         monkeypatch.setattr(cpu_int8, "why_unavailable", "RuntimeError: no compiler")
         with pytest.raises(InvalidRequestError, match="does not run on this machine.*no compiler.*dtype=float32"):

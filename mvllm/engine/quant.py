@@ -11,8 +11,8 @@
   float32 (mvllm/profile/accuracy.py). Only behind this explicit name; `serve` warns when a backend runs it.
 
 `cpu_mode` picks the mode of a CPU backend whose settings leave it open, per machine: int8w where the int8
-kernel builds with AVX-512, else bfloat16 where oneDNN has native bf16 (x86 with AVX-512 BF16 or AMX),
-else float32. The tied lm_head gets its own quantized copy; the embedding stays float32.
+kernel builds (with AVX-512, or its portable path: AVX2, NEON on an Apple M2, else plain loops), else
+bfloat16 where oneDNN has native bf16 (x86 with AVX-512 BF16 or AMX), else float32. The tied lm_head gets its own quantized copy; the embedding stays float32.
 """
 
 from __future__ import annotations
@@ -151,17 +151,18 @@ def cpu_mode(dtype: str | None, quant: str | None) -> tuple[str, str, str]:
                                   f"slower than float32); it runs: {', '.join(cpu_modes())}", "dtype")
     if dtype is not None or quant == "none":
         return dtype or "float32", "none", "as asked"
-    if avx512() and cpu_int8.available():
-        return "float32", "int8w", "picked: the int8 kernel built with AVX-512 here"
+    if cpu_int8.available():
+        how = "with AVX-512" if avx512() else "without AVX-512: its portable path (AVX2, NEON or plain loops)"
+        return "float32", "int8w", f"picked: the int8 kernel built {how} here"
+    why = cpu_int8.why_unavailable.splitlines()[0] if cpu_int8.why_unavailable else "it did not build"
     if packable(CPU, torch.bfloat16):
-        return "bfloat16", "none", "picked: oneDNN has native bf16 here (no AVX-512 int8 kernel)"
-    return "float32", "none", "picked: neither the AVX-512 int8 kernel nor native bf16 here"
+        return "bfloat16", "none", f"picked: oneDNN has native bf16 here (no int8 kernel: {why})"
+    return "float32", "none", f"picked: no int8 kernel ({why}) and no native bf16 here"
 
 
 def avx512() -> bool:
     """Whether this CPU runs AVX-512, as PyTorch's own kernel dispatch sees it (the int8 kernel is built
-    with -march=native, so it uses AVX-512 exactly where this holds). Checked before the kernel is built:
-    a machine without it never pays for a build it cannot use by default."""
+    with -march=native, so it uses AVX-512 exactly where this holds)."""
     return machine.avx512()
 
 

@@ -10,10 +10,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace {
@@ -74,30 +77,99 @@ void block_avx512(const Problem& p, int64_t r0, int64_t o0) {
 }
 #endif
 
-// Portable path: 16 independent lanes per dot product, which compilers vectorise without -ffast-math.
-void output_scalar(const Problem& p, int64_t r, int64_t o) {
-  constexpr int kLanes = 16;
-  const float* x = p.x + r * p.in;
-  const int8_t* q = p.q + o * p.in;
-  float total[kLanes] = {};
-  for (int64_t g = 0; g < p.groups(); ++g) {
-    float acc[kLanes] = {};
-    const int64_t start = g * p.group, end = start + p.group;
-    int64_t i = start;
-    for (; i + kLanes <= end; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * static_cast<float>(q[i + l]);
-    for (; i < end; ++i) acc[0] += x[i] * static_cast<float>(q[i]);
-    const float s = p.scales[o * p.groups() + g];
-    for (int l = 0; l < kLanes; ++l) total[l] += acc[l] * s;
-  }
-  float sum = 0.f;
-  for (int l = 0; l < kLanes; ++l) sum += total[l];
-  p.y[r * p.out + o] = finish(p, o, sum);
+// Portable path, in GCC/Clang vector extensions (AVX2 or SSE on x86, NEON on aarch64): rows [r0, r0 + R) x
+// outputs [o0, o0 + B). Each 16 weights are converted and scaled once (w = q * s, as the AVX-512 path does)
+// and applied to all R rows; R x B x 2 accumulators of 8 lanes (8 at the sizes dispatched) hide the FMA's
+// latency. A group's inputs past its last multiple of 16 are summed one by one.
+using f32x8 = float __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
+// 8 int8 weights as floats, times their scale. GCC scalarises a generic int8 -> float vector conversion, so
+// the widening is written per instruction set; elsewhere a plain loop.
+inline f32x8 weights8(const int8_t* q, float s) {
+  f32x8 v;
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  std::memcpy(&v, &f, sizeof v);
+#elif defined(__ARM_NEON)
+  const int16x8_t h = vmovl_s8(vld1_s8(q));
+  const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+#else
+  float t[8];
+  for (int l = 0; l < 8; ++l) t[l] = static_cast<float>(q[l]);
+  std::memcpy(&v, t, sizeof v);
+#endif
+  return v * s;
+}
+
+template <int R, int B>
+void block_portable(const Problem& p, int64_t r0, int64_t o0) {
+  const int64_t ng = p.groups();
+  const float* x = p.x + r0 * p.in;
+  f32x8 total[R][B][2] = {};
+  float tail[R][B] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t start = g * p.group, end = start + p.group, full = start + p.group / 16 * 16;
+    for (int64_t i = start; i < full; i += 16) {
+      f32x8 w[B][2];
+      for (int b = 0; b < B; ++b) {
+        const float s = p.scales[(o0 + b) * ng + g];
+        const int8_t* q = p.q + (o0 + b) * p.in + i;
+        w[b][0] = weights8(q, s);
+        w[b][1] = weights8(q + 8, s);
+      }
+      for (int r = 0; r < R; ++r) {
+        const f32x8 lo = load8(x + r * p.in + i), hi = load8(x + r * p.in + i + 8);
+        for (int b = 0; b < B; ++b) {
+          total[r][b][0] += lo * w[b][0];
+          total[r][b][1] += hi * w[b][1];
+        }
+      }
+    }
+    for (int64_t i = full; i < end; ++i)
+      for (int b = 0; b < B; ++b) {
+        const float w = static_cast<float>(p.q[(o0 + b) * p.in + i]) * p.scales[(o0 + b) * ng + g];
+        for (int r = 0; r < R; ++r) tail[r][b] += x[r * p.in + i] * w;
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      const f32x8 v = total[r][b][0] + total[r][b][1];
+      float sum = tail[r][b];
+      for (int l = 0; l < 8; ++l) sum += v[l];
+      p.y[(r0 + r) * p.out + o0 + b] = finish(p, o0 + b, sum);
+    }
+}
+
+// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, in tiles of 8 accumulators.
 void block_scalar(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  for (int64_t o = o0; o < o0 + outs; ++o)
-    for (int64_t r = r0; r < r0 + rows; ++r) output_scalar(p, r, o);
+  for (int64_t r = r0; r < r0 + rows;) {
+    const int64_t left = r0 + rows - r;
+    if (left >= 4) {
+      for (int64_t o = o0; o < o0 + outs; ++o) block_portable<4, 1>(p, r, o);
+      r += 4;
+    } else if (left >= 2) {
+      int64_t o = o0;
+      for (; o + 2 <= o0 + outs; o += 2) block_portable<2, 2>(p, r, o);
+      if (o < o0 + outs) block_portable<2, 1>(p, r, o);
+      r += 2;
+    } else {
+      int64_t o = o0;
+      if (outs == 4) {
+        block_portable<1, 4>(p, r, o);
+      } else {
+        for (; o < o0 + outs; ++o) block_portable<1, 1>(p, r, o);
+      }
+      r += 1;
+    }
+  }
 }
 
 #if defined(__AVX512F__)

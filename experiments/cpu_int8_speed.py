@@ -1,0 +1,74 @@
+"""The int8w kernel (mvllm/kernels/cpu_int8.py) against float32 F.linear on this CPU, in the same run: one
+decode step's linears of a model (every layer its own weights, so they stream from memory as in a real step),
+at 1 and 4 rows, the milliseconds of each and their ratio. On a CPU without AVX-512 this is the portable path.
+
+    python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mvllm import machine
+from mvllm.kernels import cpu_int8
+from mvllm.model.presets import PRESETS
+
+
+def shapes(model: str) -> tuple[list[tuple[int, int]], int, int]:
+    cfg = PRESETS[model.removeprefix("synthetic:")]
+    h, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    qkv = (heads + 2 * cfg["num_key_value_heads"]) * (h // heads)
+    return [(qkv, h), (h, h), (2 * i, h), (h, i)], cfg["num_hidden_layers"], cfg["vocab_size"]
+
+
+def step_ms(fns, repeats: int) -> float:
+    for f in fns:  # warm
+        f()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="synthetic:qwen2.5-0.5b")
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if not cpu_int8.available():
+        raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
+    layer, layers, vocab = shapes(a.model)
+    h = layer[1][1]
+    torch.manual_seed(0)
+    weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, h) * 0.02]
+    packed = [cpu_int8.quantize_weight(w) for w in weights]
+    rows_out = []
+    for rows in [int(r) for r in a.rows.split(",")]:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        f32 = [lambda w=w: F.linear(xs[w.shape[1]], w) for w in weights]
+        i8 = [lambda q=q, s=s: cpu_int8.int8_linear(xs[q.shape[1]], q, s, check=False) for q, s in packed]
+        t32, t8 = step_ms(f32, a.repeats), step_ms(i8, a.repeats)
+        rows_out.append({"rows": rows, "float32_ms": round(t32, 3), "int8w_ms": round(t8, 3),
+                         "float32_over_int8w": round(t32 / t8, 2)})
+        print(f"rows {rows}: float32 {t32:.2f} ms, int8w {t8:.2f} ms a step's linears: int8w {t32 / t8:.2f}x")
+    info = {"model": a.model, "threads": torch.get_num_threads(), "avx512": machine.avx512(),
+            "build": cpu_int8.build_info(), "rows": rows_out}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(info, f, indent=2, default=str)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
