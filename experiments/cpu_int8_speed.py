@@ -56,8 +56,8 @@ def main() -> None:
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        f32 = [lambda w=w: F.linear(xs[w.shape[1]], w) for w in weights]
-        i8 = [lambda q=q, s=s: cpu_int8.int8_linear(xs[q.shape[1]], q, s, check=False) for q, s in packed]
+        f32 = [lambda w=w, xs=xs: F.linear(xs[w.shape[1]], w) for w in weights]
+        i8 = [lambda q=q, s=s, xs=xs: cpu_int8.int8_linear(xs[q.shape[1]], q, s, check=False) for q, s in packed]
         t32, t8 = step_ms(f32, a.repeats), step_ms(i8, a.repeats)
         rows_out.append({"rows": rows, "float32_ms": round(t32, 3), "int8w_ms": round(t8, 3),
                          "float32_over_int8w": round(t32 / t8, 2)})

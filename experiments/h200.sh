@@ -93,6 +93,9 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
         pbench 270 shared-prefix shared-prefix 1 gpu-only,eta-caps,eta,oracle,new-token-ratio,kv-cost ;;
     r2) pbench 380 trace-conversation trace-conversation 1 gpu-only,mixed,eta-caps,eta,oracle,new-token-ratio
         pbench 180 split3-paper-48-hidden split3-paper-48-hidden 1 gpu-only,eta,oracle,kv-cost,round-robin ;;
+    # issue 28 before its machine: two GPU backends on the one GPU (functional), and cuda:1 refused in one line
+    f28) run 30 cuda1 python3 -m mvllm.cli env --backends gpu=cuda:0,gpu1=cuda:1
+         pbench 250 two-gpu-on-one two-gpu-on-one 1 gpu-only,round-robin,eta,sglang-cache,kv-cost ;;
     r3) pbench 560 trace-conversation trace-conversation-r2 2 gpu-only,eta,oracle,new-token-ratio ;;
     tar) [[ -n ${OUT:-} ]] && tar czf "$OUT/runs.tgz" "$runs" ;;  # the device's reply keeps shallow files only
     *) echo "unknown stage $stage"; exit 2 ;;

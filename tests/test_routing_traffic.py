@@ -448,3 +448,16 @@ def test_the_oracle_is_not_worse_than_the_caps_on_hidden_lengths():
 def test_eta_is_not_worse_than_the_caps_on_hidden_lengths():
     eta, caps = simulate(HIDDEN, "eta")[0]["makespan"], simulate(HIDDEN, "eta-caps")[0]["makespan"]
     assert eta <= caps * 1.05, (eta, caps)
+
+
+def test_eta_keeps_a_prompt_on_the_peer_gpu_that_caches_it():
+    """Two GPUs of one profile are peers: where both finish the request within the margin, the one caching the
+    longer prefix takes it (ties: home); a CPU caching more does not, its throughput is not home's."""
+    rates = {"gpu": H200["gpu"], "gpu1": H200["gpu"], "cpu": H200["cpu"]}
+    router = Router(["gpu", "gpu1", "cpu"], "eta", rates)
+    assert router.route("a", 516, 64, {"gpu": 0, "gpu1": 496, "cpu": 0}) == "gpu1"
+    assert router.route("b", 516, 64, {"gpu": 0, "gpu1": 0, "cpu": 0}) == "gpu"  # a tie: home
+    assert router.route("c", 516, 64, {"gpu": 0, "gpu1": 0, "cpu": 512}) in ("gpu", "gpu1")
+    for i in range(24):  # gpu1 busy: the cache no longer outweighs its queue
+        router.bookings["gpu1"][f"q{i}"] = Booking(f"q{i}", 516, 496, 512, active=True, generated=1)
+    assert router.route("d", 516, 64, {"gpu": 0, "gpu1": 496, "cpu": 0}) == "gpu"

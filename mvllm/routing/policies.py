@@ -47,7 +47,10 @@ class Eta(Policy):
     remaining tokens estimated from the lengths of those that finished (routing/lengths.py), but a request stays on
     the home backend, the one of the highest profiled throughput (the GPU, where there is one), unless another
     is predicted to finish it more than ETA_MARGIN sooner: a gain smaller than the model's error is not worth
-    moving a request (a fast CPU at low load would take requests for nothing but a later first token)."""
+    moving a request (a fast CPU at low load would take requests for nothing but a later first token). Where
+    the home backend has peers (backends within ETA_MARGIN of its throughput: a second GPU) that finish the
+    request as soon, within the margin, the one that caches the longest prefix of it takes it (ties: home),
+    so each prompt family stays where its blocks are."""
 
     name, needs_rates, needs_timing, lengths = "eta", True, True, "estimate"
 
@@ -57,7 +60,12 @@ class Eta(Policy):
     def choose(self, alive, candidates):
         best = min(alive, key=lambda b: candidates[b].eta)
         home = max(alive, key=lambda b: candidates[b].decode_rate)
-        return home if candidates[home].eta <= candidates[best].eta * (1 + ETA_MARGIN) else best
+        soon = candidates[best].eta * (1 + ETA_MARGIN)
+        if candidates[home].eta > soon:
+            return best
+        floor = candidates[home].decode_rate * (1 - ETA_MARGIN)
+        peers = [b for b in alive if candidates[b].decode_rate >= floor and candidates[b].eta <= soon]
+        return max(peers, key=lambda b: (candidates[b].cached_prefix, b == home))
 
 
 class SglangCache(Policy):
