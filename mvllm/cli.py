@@ -110,13 +110,16 @@ def profile(
                                                           "measure each one's serving overheads over HTTP, the "
                                                           "others busy (request_ms, step_ms: what eta and "
                                                           "`mvllm simulate` add to the profile's times)."),
+    contexts: str = typer.Option("", help="Also decode at these depths, e.g. 0,572: a prompt of DEPTH tokens, "
+                                          "then the timed steps, at batch 1 and 4 (rows that line up with "
+                                          "`llama-bench -d`); saved as each backend's \"contexts\"."),
 ):
     """Measure each backend alone: cold and warm prefill, decode step time at every batch size, the
     prefill_rate/decode_rate the router uses, and accuracy against float32, into one JSON profile."""
     from mvllm.profile.run import cli_profile
 
     cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console, accuracy,
-                serving)
+                serving, contexts)
 
 
 @app.command()

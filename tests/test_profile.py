@@ -191,3 +191,23 @@ def test_profile_measures_each_backend_with_the_threads_serve_gives_it(monkeypat
     finally:
         torch.set_num_threads(1)
     assert entry["gpu"]["threads"] == entry["cpu"]["threads"] == 1
+
+
+def test_profile_decodes_at_chosen_depths(tmp_path):
+    """--contexts adds decode rows at each depth (batch 1 and 4), as llama-bench -d measures them; a depth past
+    the context is skipped with a line; a bad value is one CLI line."""
+    from typer.testing import CliRunner
+
+    from mvllm.cli import app
+
+    out = tmp_path / "p.json"
+    res = CliRunner().invoke(app, ["profile", "--model", TINY, "--backends", "cpu=cpu/threads=1/max_active=4",
+                                   "--lengths", "16", "--repeats", "1", "--steps", "2", "--no-accuracy",
+                                   "--contexts", "0,40", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["backends"]["cpu"]["contexts"]
+    assert [(r["depth"], r["batch"]) for r in rows] == [(0, 1), (0, 4), (40, 1), (40, 4)]
+    assert all(r["step_ms"] > 0 and r["context"] == max(r["depth"], 1) + 2 for r in rows)
+    assert "decode by depth" in res.output
+    bad = CliRunner().invoke(app, ["profile", "--model", TINY, "--contexts", "0,-5"])
+    assert bad.exit_code == 2 and "--contexts must be 0 or more" in bad.output

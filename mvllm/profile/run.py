@@ -26,6 +26,8 @@ from mvllm.profile.accuracy import SYNTHETIC_NOTE, Reference
 from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, LENGTHS, WARM_CACHED, WARM_NEW, Progress, Tokens
 from mvllm.routing.rates import REFERENCE_LEN, choose_rates, validate
 
+CONTEXT_BATCH = 4  # --contexts measures batch 1 and this (llama-batched-bench's -npl 1,4)
+
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -49,10 +51,11 @@ def decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParam
     return seqs, times
 
 
-def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int) -> int | None:
+def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int, contexts: tuple[int, ...] = ()) -> int | None:
     if spec.num_blocks or spec.kv_cache_gb:
         return spec.num_blocks
     tokens = (max(lengths + (WARM_CACHED + WARM_NEW,)) + (spec.max_active + 2) * (DECODE_PREFIX + 64))
+    tokens = max(tokens, CONTEXT_BATCH * (max(contexts, default=0) + 64))
     return 2 * -(-tokens // block_size)
 
 
@@ -63,9 +66,10 @@ def served_blocks(engine: Engine, spec: BackendSpec) -> int:
 
 
 def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], repeats: int, steps: int,
-                    progress: Progress, block_size: int = BLOCK_SIZE, reference: Reference | None = None) -> dict:
+                    progress: Progress, block_size: int = BLOCK_SIZE, reference: Reference | None = None,
+                    contexts: tuple[int, ...] = ()) -> dict:
     config = spec.engine_config(model, block_size)
-    config.num_blocks = kv_blocks(spec, lengths, block_size)
+    config.num_blocks = kv_blocks(spec, lengths, block_size, contexts)
     progress(f"{spec.name}: loading {model} on {spec.device}")
     start = time.perf_counter()
     engine = Engine(config)
@@ -112,6 +116,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
         ctx = (DECODE_PREFIX + DECODE_NEW) + (steps + 1) // 2
         out["decode"].append({"batch": b, "context": ctx, "step_ms": ms, "tok_s": b / ms * 1000,
                               "cached": min(s.num_cached_tokens for s in seqs)})
+    if contexts:
+        out["contexts"] = context_steps(engine, spec, contexts, steps, tokens, progress)
     if spec.max_active > 1:
         half = REFERENCE_LEN // 2 // block_size * block_size  # half of the prompt cached: past CUDA graphs' size
         prompts = {"warm": lambda: warm_prefix + tokens(WARM_NEW)}
@@ -127,6 +133,25 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     elif engine.source.synthetic:
         out["accuracy"] = {"note": SYNTHETIC_NOTE}
     return out
+
+
+def context_steps(engine: Engine, spec: BackendSpec, contexts: tuple[int, ...], steps: int, tokens: Tokens,
+                  progress: Progress) -> list[dict]:
+    """Decode at chosen depths, as `llama-bench -d DEPTH` measures it: each request's prompt is DEPTH uncached
+    tokens (one for depth 0), then `steps` timed decode steps, at batch 1 and CONTEXT_BATCH (within
+    max_active). `context` is the mean context of the timed steps."""
+    rows = []
+    for depth in contexts:
+        if max(depth, 1) + steps + 3 >= engine.max_model_len:
+            progress(f"{spec.name}: depth {depth} does not fit the context ({engine.max_model_len}); skipped")
+            continue
+        for b in sorted({1, min(CONTEXT_BATCH, spec.max_active)}):
+            progress(f"{spec.name}: decode at depth {depth}, batch {b}")
+            _, times = decode_steps(engine, [tokens(max(depth, 1)) for _ in range(b)], _greedy(steps + 2))
+            ms = _median_ms(times)
+            rows.append({"batch": b, "depth": depth, "context": max(depth, 1) + 1 + (steps + 1) // 2,
+                         "step_ms": ms, "tok_s": b / ms * 1000})
+    return rows
 
 
 def mixed_steps(engine: Engine, batch: int, decoding: Callable[[], list[int]], repeats: int,
@@ -176,8 +201,9 @@ def environment(model: str) -> dict:
 
 def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] = LENGTHS, repeats: int = 5,
                 steps: int = 16, baseline: str | None = None, progress: Progress | None = None,
-                accuracy: bool = True) -> dict:
-    """accuracy: measure each backend against the float32 model on the evaluation text (real weights only)."""
+                accuracy: bool = True, contexts: tuple[int, ...] = ()) -> dict:
+    """accuracy: measure each backend against the float32 model on the evaluation text (real weights only).
+    contexts: also decode at these depths (context_steps)."""
     progress = progress or (lambda _: None)
     reference, source = None, resolve(model)
     if accuracy and not source.synthetic and any(not s.remote for s in specs):
@@ -195,7 +221,8 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
                                                             steps, progress)
             continue
         torch.set_num_threads(spec.threads or default_threads)
-        entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference)
+        entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference,
+                                contexts=contexts)
         entry["env"] = backend_facts(spec)
         gc.collect()
         if torch.cuda.is_available():
@@ -280,7 +307,7 @@ def accuracy_cells(acc: dict) -> tuple[str, str, str, str]:
 
 def cli_profile(model: str, backends: str | None, out: str | None, json_out: bool, baseline: str | None,
                 lengths: str, repeats: int, steps: int, max_active: int | None, console,
-                accuracy: bool = True, serving: bool = False) -> dict:
+                accuracy: bool = True, serving: bool = False, contexts: str = "") -> dict:
     from rich.progress import Progress as Bar
     from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -297,14 +324,24 @@ def cli_profile(model: str, backends: str | None, out: str | None, json_out: boo
         raise InvalidRequestError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
     if not sizes or min(sizes) < 1 or repeats < 1 or steps < 1:
         raise InvalidRequestError("--lengths, --repeats and --steps must be positive")
+    try:
+        depths = tuple(int(x) for x in contexts.split(",") if x.strip())
+    except ValueError:
+        raise InvalidRequestError(f"--contexts must be comma-separated integers, got {contexts!r}") from None
+    if depths and min(depths) < 0:
+        raise InvalidRequestError(f"--contexts must be 0 or more, got {contexts!r}")
     with Bar(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
              transient=True) as bar:
         task = bar.add_task("profiling", total=None)
         result = run_profile(model, specs, sizes, repeats, steps, baseline,
-                             lambda line: bar.update(task, description=line), accuracy)
+                             lambda line: bar.update(task, description=line), accuracy, depths)
         if serving:
             add_serving(result, model, text, specs, repeats, steps, lambda line: bar.update(task, description=line))
     console.print(table(result))
+    for name, entry in result["backends"].items():
+        if entry.get("contexts"):
+            cells = ", ".join(f"depth {c['depth']} batch {c['batch']}: {c['step_ms']:.2f} ms" for c in entry["contexts"])
+            console.print(f"{name} decode by depth: {cells}", highlight=False)
     if out:
         console.print(f"wrote {save_profile(result, out)}", highlight=False)
     if json_out:
