@@ -252,13 +252,19 @@ def test_build_info_of_the_real_kernels():
         assert cpu_fused.why_unavailable.endswith(info["error"]) and "\n" not in cpu_fused.why_unavailable
 
 
-def test_no_int8_build_to_pick_a_mode_without_avx512(monkeypatch):
-    """The int8 kernel runs by default only with AVX-512: a machine without it never builds it to decide."""
+def test_without_avx512_the_int8_kernel_is_built_and_picked_or_its_error_said(monkeypatch):
+    """Without AVX-512 the default is int8w through the kernel's portable path; where that build fails, the
+    mode falls back and its reason carries the compiler's first error line."""
     built = []
     monkeypatch.setattr(quant, "avx512", lambda: False)
     monkeypatch.setattr(cpu_int8, "available", lambda: built.append(1) or True)
-    assert quant.cpu_mode(None, None)[1] == "none"
-    assert built == []
+    dtype, mode, why = quant.cpu_mode(None, None)
+    assert (dtype, mode) == ("float32", "int8w") and "portable" in why and built
+    monkeypatch.setattr(cpu_int8, "available", lambda: False)
+    monkeypatch.setattr(cpu_int8, "why_unavailable", "c++: error: unrecognized option\nmore")
+    monkeypatch.setattr(quant, "packable", lambda d, t: False)
+    dtype, mode, why = quant.cpu_mode(None, None)
+    assert (dtype, mode) == ("float32", "none") and "c++: error: unrecognized option" in why and "\n" not in why
 
 
 # ---- the sources compile for aarch64 (Apple silicon, Linux ARM) ----
