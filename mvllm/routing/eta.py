@@ -110,7 +110,6 @@ def _mean(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
 # a backend's bookings: (decode tokens left of each admitted request, uncached prompt tokens of each admitted
 # request that has not made a token yet, (prefill, decode) of each waiting request in FCFS order)
 Work = tuple[list[int], list[int], list[tuple[int, int]]]
-IDLE: Work = ([], [], [])
 
 
 def finish_time(timing: Timing, work: Work, new_prefill: int, new_decode: int) -> float:

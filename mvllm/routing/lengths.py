@@ -108,7 +108,3 @@ class TokenRatio:
 
     def retracted(self, generated: int, caps: int, running: int) -> None:
         self.ratio = min(1.0, (generated + self.RETRACT_STEPS * running) / caps) if caps else self.INIT
-
-    def scale(self, clipped: int) -> float:
-        """The tokens expected of a request with min(cap - generated, CLIP) = `clipped` left."""
-        return clipped * self.ratio

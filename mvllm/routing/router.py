@@ -31,14 +31,14 @@ class Router:
         self.rates = rates or {}
         self.seen_before = lengths
         self.timings = {b: Timing.from_profile(r) for b, r in self.rates.items() if "prefill_rate" in r}
-        self.set_policy(policy)
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
+        self.set_policy(policy)
         self.alive = {b: True for b in self.backends}
         self.decisions = {b: 0 for b in self.backends}
         self.estimated: set[str] = set()  # backends whose cached prefix is a shadow estimate (remote servers)
         self.external: dict[str, int] = {b: 0 for b in self.backends}
         self.recent_max_tokens: list[int] = []
-        self.stale = {b: [0, 0] for b in self.backends}  # admissions that found less cached than booked, tokens
+        self.stale = {b: 0 for b in self.backends}  # admissions that found less cached than was booked
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
 
     def set_policy(self, text: str) -> None:
@@ -62,9 +62,7 @@ class Router:
         self.fitted = self.lengths.fits
         self.ratios = {b: TokenRatio() for b in self.backends}  # new-token-ratio's, per backend
         self.sent = {b: SentBlocks() for b in self.backends}  # sglang-cache's memory of what went where
-        for name, booked in getattr(self, "bookings", {}).items():  # their expected lengths were the old policy's
-            for b in booked.values():
-                b.left = self.expect(name, b)
+        self.reestimate()  # the bookings' expected lengths were the old policy's
 
     def alive_backends(self) -> list[str]:
         return [b for b in self.backends if self.alive[b]]
@@ -82,16 +80,15 @@ class Router:
         end = b.max_tokens if b.length is None else min(b.length, b.max_tokens)
         return max(end - b.generated, 0)
 
-    def left(self, backend: str, b: Booking) -> int:
-        return self.ratios[backend].scale(b.left) if self.policy.lengths == "ratio" else b.left
+    def scale(self, backend: str) -> float | int:
+        """What a booking's `left` is multiplied by: new-token-ratio's ratio on this backend, else 1."""
+        return self.ratios[backend].ratio if self.policy.lengths == "ratio" else 1
 
     def work(self, backend: str, booked: list[Booking]) -> Work:
         """The bookings as eta's replay takes them, by the policy's lengths."""
-        running = [x.left for x in booked if x.active]
-        if self.policy.lengths == "ratio":
-            ratio = self.ratios[backend].ratio
-            running = [n * ratio for n in running]
-        queue = [(x.pending_prefill, self.left(backend, x)) for x in booked if not x.active]
+        k = self.scale(backend)
+        running = [x.left * k for x in booked if x.active]
+        queue = [(x.pending_prefill, x.left * k) for x in booked if not x.active]
         return running, [x.pending_prefill for x in booked if x.active and not x.generated], queue
 
     def reestimate(self) -> None:
@@ -128,7 +125,7 @@ class Router:
             timing = self.timings.get(b)
             if timing and (p.needs_timing or log):
                 work = self.work(b, booked)
-                mine = (prompt_tokens - have, self.left(b, new))
+                mine = (prompt_tokens - have, new.left * self.scale(b))
                 if log and p.lengths != "cap":
                     c.expected_decode = sum(work[0]) + sum(d for _, d in work[2]) + mine[1]
                 c.eta = finish_time(timing, work, *mine)
@@ -162,7 +159,7 @@ class Router:
         if p.needs_blocks:
             self.sent[choice].insert(blocks)
         if self.log:
-            expected = ({"expected_tokens": self.left(choice, booking),
+            expected = ({"expected_tokens": booking.left * self.scale(choice),
                          "lengths": self.lengths.state() if p.lengths == "estimate" else p.lengths}
                         if p.lengths != "cap" else {})
             self.log.write(json.dumps({
@@ -195,8 +192,7 @@ class Router:
         if booking:
             booking.active, booking.actual_cached = True, cached_tokens
             if cached_tokens < booking.estimated_cached:  # evicted between routing and admission
-                self.stale[backend][0] += 1
-                self.stale[backend][1] += booking.estimated_cached - cached_tokens
+                self.stale[backend] += 1
 
     def on_tokens(self, backend: str, request_id: str, count: int) -> None:
         booking = self.bookings[backend].get(request_id)

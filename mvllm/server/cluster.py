@@ -93,7 +93,7 @@ class Cluster:
                 for rid, cached in admitted:
                     self.router.on_scheduled(name, rid, cached)
                     self._put(rid, Event(cached_tokens=cached))
-                self.metrics.stale_cache.labels(name).set(self.router.stale[name][0])
+                self.metrics.stale_cache.labels(name).set(self.router.stale[name])
             case Step(tokens, load):
                 if load.get("preemptions", 0) > self.snapshots[name].get("preemptions", 0):
                     self.router.on_preempted(name)

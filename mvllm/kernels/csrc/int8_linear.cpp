@@ -149,7 +149,7 @@ void block_portable(const Problem& p, int64_t r0, int64_t o0) {
 }
 
 // Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, in tiles of 8 accumulators.
-void block_scalar(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
+void block_tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   for (int64_t r = r0; r < r0 + rows;) {
     const int64_t left = r0 + rows - r;
     if (left >= 4) {
@@ -185,14 +185,14 @@ void block_rows(const Problem& p, int64_t r0, int64_t rows, int64_t o0) {
 }
 
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (p.group % 16) return block_scalar(p, r0, rows, o0, outs);
+  if (p.group % 16) return block_tiles(p, r0, rows, o0, outs);
   if (outs == kOutBlock && rows <= kMaxRows(4)) return block_rows<4>(p, r0, rows, o0);
   for (int64_t o = o0; o + 2 <= o0 + outs; o += 2) block_rows<2>(p, r0, rows, o);
   if (outs % 2) block_rows<1>(p, r0, rows, o0 + outs - 1);
 }
 #else
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  block_scalar(p, r0, rows, o0, outs);
+  block_tiles(p, r0, rows, o0, outs);
 }
 #endif
 
