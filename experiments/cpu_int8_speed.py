@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mvllm import machine
+from mvllm.engine import quant
 from mvllm.kernels import cpu_int8
 from mvllm.model.presets import PRESETS
 
@@ -44,8 +45,12 @@ def main() -> None:
     ap.add_argument("--model", default="synthetic:qwen2.5-0.5b")
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--bf16", action="store_true", help="also oneDNN's packed bf16 GEMM (prefill's path)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if not cpu_int8.available():
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
     layer, layers, vocab = shapes(a.model)
@@ -53,15 +58,22 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, h) * 0.02]
     packed = [cpu_int8.quantize_weight(w) for w in weights]
+    nbytes = sum(q.numel() + 4 * s.numel() for q, s in packed)
+    gemms = [quant.dense(w.bfloat16(), None) for w in weights] if a.bf16 and quant.packable(quant.CPU, torch.bfloat16) else []
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         f32 = [lambda w=w, xs=xs: F.linear(xs[w.shape[1]], w) for w in weights]
         i8 = [lambda q=q, s=s, xs=xs: cpu_int8.int8_linear(xs[q.shape[1]], q, s, check=False) for q, s in packed]
         t32, t8 = step_ms(f32, a.repeats), step_ms(i8, a.repeats)
-        rows_out.append({"rows": rows, "float32_ms": round(t32, 3), "int8w_ms": round(t8, 3),
-                         "float32_over_int8w": round(t32 / t8, 2)})
-        print(f"rows {rows}: float32 {t32:.2f} ms, int8w {t8:.2f} ms a step's linears: int8w {t32 / t8:.2f}x")
+        row = {"rows": rows, "float32_ms": round(t32, 3), "int8w_ms": round(t8, 3),
+               "float32_over_int8w": round(t32 / t8, 2), "int8w_GB_s": round(nbytes / t8 / 1e6, 1)}
+        if a.bf16 and quant.packable(quant.CPU, torch.bfloat16):
+            row["bf16_gemm_ms"] = round(step_ms([lambda g=g, xs=xs: g(xs[g.in_features].bfloat16()) for g in gemms],
+                                                a.repeats), 3)
+        rows_out.append(row)
+        print(f"rows {rows}: float32 {t32:.2f} ms, int8w {t8:.2f} ms ({row['int8w_GB_s']} GB/s) a step's linears: "
+              f"int8w {t32 / t8:.2f}x" + (f"; bf16 GEMM {row['bf16_gemm_ms']} ms" if "bf16_gemm_ms" in row else ""))
     info = {"model": a.model, "threads": torch.get_num_threads(), "avx512": machine.avx512(),
             "build": cpu_int8.build_info(), "rows": rows_out}
     if a.out:

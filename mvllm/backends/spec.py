@@ -8,7 +8,9 @@ Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU 
 fastest here, see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
 compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs), fused (on|off: the CPU's
 fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
-step while the device runs this one).
+step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8
+kernel, so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a
+bf16 GEMM; see engine/quant.py).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -50,6 +52,7 @@ class BackendSpec:
     compile: bool = True
     fused: bool = True
     overlap: bool | None = None  # None: on for a CUDA backend (EngineConfig.validate)
+    batch_invariant: bool | None = None  # None: the engine's default (EngineConfig)
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0
@@ -64,14 +67,15 @@ class BackendSpec:
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
-                            compile=self.compile, fused=self.fused, overlap=self.overlap)
+                            compile=self.compile, fused=self.fused, overlap=self.overlap,
+                            batch_invariant=self.batch_invariant)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
-LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap")
+LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
 
 
 def is_url(device: str) -> bool:
@@ -91,7 +95,7 @@ def convert(key: str, value: str, name: str, remote: bool = False):
         raise InvalidRequestError(f"backend {name}: {key} is a setting of a remote backend (NAME=http://HOST:PORT)",
                                   "backends")
     try:
-        if key in ("graphs", "compile", "fused", "overlap"):
+        if key in ("graphs", "compile", "fused", "overlap", "batch_invariant"):
             if value not in ("on", "off"):
                 raise ValueError
             return value == "on"

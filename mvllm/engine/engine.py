@@ -13,7 +13,7 @@ from mvllm import machine
 from mvllm.engine.block_manager import BLOCK_SIZE, BlockManager
 from mvllm.engine.model_runner import Launched, ModelRunner
 from mvllm.engine.params import SamplingParams
-from mvllm.engine.quant import cpu_mode, quantize
+from mvllm.engine.quant import BATCH_INVARIANT, cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import PENDING, Sequence, Status
 from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
@@ -40,6 +40,7 @@ class EngineConfig:
     compile: bool = True  # CUDA: torch.compile + Triton attention where Triton exists (off: eager ops)
     overlap: bool | None = None  # schedule step N+1 while step N runs (its tokens read a step later); None: CUDA
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
+    batch_invariant: bool | None = None  # CPU int8w: None = quant.BATCH_INVARIANT (engine/quant.py)
     picked: str = ""  # how the CPU mode was chosen
 
     def validate(self) -> None:
@@ -79,6 +80,11 @@ class EngineConfig:
             self.quant = "none"
         else:
             raise InvalidRequestError(f"quant={self.quant} runs on the cpu device only", "quant")
+        if self.batch_invariant and self.quant != "int8w":
+            raise InvalidRequestError(f"batch_invariant=on is a setting of quant=int8w (this backend runs "
+                                      f"quant={self.quant})", "batch_invariant")
+        if self.quant == "int8w" and self.batch_invariant is None:
+            self.batch_invariant = BATCH_INVARIANT
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -126,7 +132,8 @@ class Engine:
             torch.set_num_threads(threads)
         self.source = source or resolve(config.model)
         cfg = self.source.config
-        self.model = quantize(build_model(self.source, self.device, self.dtype), config.quant, self.device)
+        self.model = quantize(build_model(self.source, self.device, self.dtype), config.quant, self.device,
+                              config.batch_invariant)
         num_blocks = config.num_blocks or self._blocks_for_budget()
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,

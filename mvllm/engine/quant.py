@@ -32,26 +32,28 @@ QUANTS = ("none", "int8w", "int8-lossy")
 LOSSY = ("int8-lossy",)
 RENAMED = {"int8": "int8-lossy"}
 PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
+BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")
 
 
 class Int8Linear(nn.Module):
     """int8w: int8 weights in groups of cpu_int8.GROUP, float32 activations in and out."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, invariant: bool = False):
         super().__init__()
         q, scales = cpu_int8.quantize_weight(linear.weight.detach().float())
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
-        self.gemm = dense(cpu_int8.dequantize(q, scales).to(wide), self.bias)
-        self.wide = wide
+        self.gemm_rows = 1 << 62 if invariant else PACKED_MAX_ROWS
+        if not invariant:
+            self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
+            self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= PACKED_MAX_ROWS:
+        if rows.shape[0] <= self.gemm_rows:
             y = cpu_int8.int8_linear(rows, self.q, self.scales, self.bias, check=False)
         else:
             y = self.gemm(rows.to(self.wide)).float()
@@ -173,15 +175,16 @@ def _untie(model: Decoder) -> None:
         model.lm_head = head
 
 
-def _swap(module: nn.Module) -> None:
+def _swap(module: nn.Module, invariant: bool) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.in_features % cpu_int8.GROUP == 0:
-            setattr(module, name, Int8Linear(child))
+            setattr(module, name, Int8Linear(child, invariant))
         else:
-            _swap(child)
+            _swap(child, invariant)
 
 
-def quantize(model: Decoder, quant: str, device: torch.device) -> Decoder:
+def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: bool | None = None) -> Decoder:
+    """batch_invariant (int8w only; None: BATCH_INVARIANT): every row through the int8 kernel."""
     if quant == "none":
         return model
     if quant not in QUANTS:
@@ -191,7 +194,7 @@ def quantize(model: Decoder, quant: str, device: torch.device) -> Decoder:
     model = model.float()
     _untie(model)
     if quant == "int8w":
-        _swap(model)
+        _swap(model, BATCH_INVARIANT if batch_invariant is None else batch_invariant)
         return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -79,7 +79,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
            "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(),
            "max_active": spec.max_active, "graphs": engine.runner.captured, "compiled": engine.runner.compiled,
-           "fused": engine.runner.fused, "overlap": engine.config.overlap, "ready_s": round(ready_s, 1),
+           "fused": engine.runner.fused, "overlap": engine.config.overlap,
+           "batch_invariant": engine.config.batch_invariant, "ready_s": round(ready_s, 1),
            "kv_blocks": served_blocks(engine, spec), "prefill": [], "decode": []}
 
     def first_token(prompt: list[int]) -> tuple[float, int]:

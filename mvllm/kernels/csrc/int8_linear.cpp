@@ -196,14 +196,20 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 }
 #endif
 
+// Each thread takes a range of output blocks. A decode step (rows <= kRowTile) streams each block once for
+// all rows. With more rows (prefill) the thread applies one tile of kRowTile rows to its whole range before
+// the next tile, so its slice of the weights is read from memory once and then from its cache, and the
+// activations are read once per tile. Every row gets the same arithmetic whatever the row count: the
+// accumulation order of y[r, o] depends only on the input size, so a request's result does not depend on
+// what shares its batch (batch-invariant).
 void run(const Problem& p) {
   const int64_t blocks = (p.out + kOutBlock - 1) / kOutBlock;
   at::parallel_for(0, blocks, kGrainOuts / kOutBlock, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t o0 = b * kOutBlock, outs = std::min(kOutBlock, p.out - o0);
-      for (int64_t r0 = 0; r0 < p.rows; r0 += kRowTile)
+    for (int64_t r0 = 0; r0 < p.rows; r0 += kRowTile)
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t o0 = b * kOutBlock, outs = std::min(kOutBlock, p.out - o0);
         block(p, r0, std::min(kRowTile, p.rows - r0), o0, outs);
-    }
+      }
   });
 }
 

@@ -1,0 +1,69 @@
+"""Where a CPU decode step's time goes: one backend's engine decodes at a given context under torch.profiler,
+and the table gives each op's self time per step (mvllm's int8 and fused kernels are ops of their own), their
+sum, and the step's wall time; what is left is Python and dispatch between the ops.
+
+    python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from mvllm.engine.engine import Engine, EngineConfig
+from mvllm.engine.params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="synthetic:qwen2.5-0.5b")
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=516)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--quant", default=None)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    engine = Engine(EngineConfig(model=a.model, device="cpu", threads=a.threads, quant=a.quant,
+                                 max_active=max(4, a.batch)))
+    params = SamplingParams(max_tokens=3 * a.steps + 8, temperature=0.0, ignore_eos=True)
+    for b in range(a.batch):
+        engine.add_request([(7 * b + 3 * k) % 1000 + 1 for k in range(a.context)], params)
+    engine.step()
+    for _ in range(a.steps):  # warm
+        engine.step()
+    walls = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+    plain = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t)
+    by_op: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if e.key.startswith(("mvllm", "aten::")) and e.self_cpu_time_total > 0:
+            by_op[e.key] += e.self_cpu_time_total / 1000 / a.steps
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])
+    ops_ms = sum(by_op.values())
+    wall = 1000 * sorted(walls)[len(walls) // 2]
+    bare = 1000 * sorted(plain)[len(plain) // 2]
+    print(f"{a.model} cpu threads={a.threads} batch={a.batch} context~{a.context} quant={engine.config.quant}: "
+          f"step {bare:.2f} ms ({wall:.2f} under the profiler), ops {ops_ms:.2f} ms")
+    for name, ms in top[:14]:
+        print(f"  {name:<44} {ms:7.3f} ms/step")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "step_ms": bare, "profiled_step_ms": wall, "ops_ms": ops_ms,
+                       "ops": dict(top)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
