@@ -4,6 +4,7 @@ backend back, warmed, into the router."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
@@ -13,7 +14,9 @@ import time
 import httpx
 from conftest import start_long_stream, wait_for
 
-from mvllm.bench.process import ServerProcess
+import pytest
+
+from mvllm.bench.process import ServerError, ServerProcess, free_port
 
 MODEL = "synthetic:smollm2-135m"  # slow enough on one thread that requests queue behind a long one
 BACKENDS = "gpu=cpu/threads=1/max_active=1,cpu=cpu/threads=1/max_active=1"
@@ -74,5 +77,56 @@ def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'mvllm_backend_restarts_total{backend="gpu"} 1.0' in metrics
         assert 'mvllm_requests_rerouted_total{backend="gpu"} 3.0' in metrics
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def not_openai():
+    """An HTTP server that is not an OpenAI-compatible one: every path is 404."""
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_backend_that_fails_to_start_is_left_out(tmp_path, not_openai):
+    """The server starts on the backends that load, says which did not, and never routes to it; a benchmark's
+    wait for the server says so too (it needs every backend it names). Here the one left out is a remote that
+    is not an OpenAI server; a local worker's load error (e.g. out of GPU memory) takes the same path."""
+    server = ServerProcess(["--model", "synthetic:tiny-qwen2", "--backends", f"cpu=cpu/threads=1,far={not_openai}",
+                            "--policy", "round-robin"], tmp_path / "server.log").start()
+    try:
+        with pytest.raises(ServerError, match=f"started without a backend: backend far: {not_openai} has no /v1/models"):
+            server.wait_ready(180)
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503
+        body = health.json()
+        assert body["down"] == ["far"] and body["backends"]["cpu"]["alive"]
+        assert "is it an OpenAI-compatible server?" in body["backends"]["far"]["start_error"]
+        for _ in range(3):
+            r = httpx.post(f"{server.url}/v1/completions", json={"model": "synthetic:tiny-qwen2", "prompt": [1, 2, 3],
+                                                                 "max_tokens": 3, "temperature": 0}, timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+        assert "serving without backend far" in (tmp_path / "server.log").read_text()
+    finally:
+        server.stop()
+
+
+def test_no_backend_started_is_one_error(tmp_path, not_openai):
+    server = ServerProcess(["--model", "synthetic:tiny-qwen2", "--backends", f"a={not_openai},b={not_openai}/max_active=2",
+                            "--policy", "round-robin"], tmp_path / "server.log").start()
+    try:
+        with pytest.raises(ServerError, match="exited with code"):
+            server.wait_ready(120)
+        log = (tmp_path / "server.log").read_text()
+        assert "no backend started: backend a:" in log and "backend b:" in log and "Traceback" not in log
     finally:
         server.stop()

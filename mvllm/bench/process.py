@@ -60,9 +60,13 @@ class ServerProcess:
                 raise ServerError(f"the server exited with code {self.proc.returncode} before it was ready; "
                                   f"its last log lines ({self.log}):\n{tail(self.log)}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2.0)
+                if health.status_code == 200:
                     return
-            except httpx.HTTPError:
+                failed = [b["start_error"] for b in health.json().get("backends", {}).values() if "start_error" in b]
+                if failed:  # it serves without them; a benchmark needs every backend it names
+                    raise ServerError(f"the server started without a backend: {'; '.join(failed)}")
+            except (httpx.HTTPError, ValueError, AttributeError):
                 pass
             time.sleep(0.25)
         raise ServerError(f"the server was not ready after {timeout:g} s; its last log lines ({self.log}):\n"

@@ -128,6 +128,8 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
                 states[n].update(b.health())
         for n, why in cluster.restart_error.items():
             states[n]["restart_error"] = why
+        for n, why in cluster.start_errors.items():
+            states[n]["start_error"] = why
         if not cluster.healthy():
             down = [n for n in cluster.backends if not cluster.serving(n)]
             return JSONResponse({"status": "degraded", "down": down, "backends": states}, status_code=503)

@@ -58,24 +58,34 @@ class Cluster:
         self.metrics = Metrics(list(self.backends))
         self.restarts = {name: 0 for name in self.backends}
         self.restart_error: dict[str, str] = {}
+        self.start_errors: dict[str, str] = {}  # backends that failed to start, left out
         self.warmed: list[list[int]] = []
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: set[asyncio.Task] = set()  # re-routes and restarts under way
 
     def wait_ready(self, timeout: float) -> None:
-        try:
-            for backend in self.backends.values():
+        """Wait for every backend. One that fails to start (its worker's error, or no answer within `timeout`)
+        is stopped and left out: the server serves on the others, `start_errors` says why (in /health), and
+        the router never chooses it. If none starts, every backend's error is raised."""
+        for backend in self.backends.values():
+            try:
                 backend.wait_ready(timeout)
-                self.snapshots[backend.name] = backend.info
-        except MvllmError:
+            except MvllmError as e:
+                self.start_errors[backend.name] = str(e)
+                backend.shutdown()
+                self.router.on_dead(backend.name)
+                continue
+            self.snapshots[backend.name] = backend.info
+        if len(self.start_errors) == len(self.backends):
             self.shutdown()
-            raise
+            raise MvllmError("no backend started: " + "; ".join(self.start_errors.values()))
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         for backend in self.backends.values():
-            backend.listen(loop, self._on_event)
+            if backend.name not in self.start_errors:
+                backend.listen(loop, self._on_event)
 
     def serving(self, name: str) -> bool:
         """Up and routed to: a respawned worker counts only once it is warmed again and back in the router."""

@@ -79,8 +79,10 @@ def serve(model: str, backends: str, policy: str | None, profile: str | None, ma
         app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix,
                         source.config.max_position)
         ready = {name: info.get("ready_s") for name, info in cluster.snapshots.items()}
+        for name, why in cluster.start_errors.items():
+            console.print(f"[red]error:[/red] {why}; serving without backend {name}", highlight=False)
         names = ", ".join(f"{s.name}={s.device}" + (f" ready in {ready[s.name]} s" if ready.get(s.name) else "")
-                          for s in specs)
+                          for s in specs if s.name not in cluster.start_errors)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
