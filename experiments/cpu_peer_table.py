@@ -36,9 +36,9 @@ def peer_cells(out: Path) -> dict:
     for r in llama_bench(out / "lcpp" / "llama-bench.json"):
         if r.get("n_prompt") and not r.get("n_gen"):
             cells[("prefill", 1, r["n_threads"], r["n_prompt"])] = r["avg_ts"]
-    for name in ("batched-bench-t8.jsonl", "batched-bench-t16.jsonl"):
-        for r in batched(out / "lcpp" / name):
-            threads = int(name.split("-t")[1].split(".")[0])
+    for path in sorted((out / "lcpp").glob("batched-bench-t*.jsonl")):
+        threads = int(path.stem.split("-t")[1])
+        for r in batched(path):
             depth = 0 if r["pp"] <= 1 else r["pp"]
             cells.setdefault(("decode", r["pl"], threads, depth), 1000 * r["t_tg"] / r["tg"])
     return cells

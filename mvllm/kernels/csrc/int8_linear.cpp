@@ -3,12 +3,21 @@
 // Every weight byte is read from memory once per call: each block of output rows is streamed once
 // while all activation rows (small, cache resident) are applied to it.
 
+// No implicit FMA contraction: which products the compiler fuses may differ between template instances (row
+// tiles), and a row's result must not depend on its tile (batch invariance). FMAs are written out (fma8).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -27,6 +36,8 @@ constexpr int64_t kGrainOuts = 32;   // output rows per thread at least
 
 struct Problem {
   const float* x;
+  const int16_t* xq;  // x in int16, one scale per row (xs): the integer path without AVX-512 (else null)
+  const float* xs;
   const int8_t* q;
   const float* scales;
   const float* bias;
@@ -89,6 +100,29 @@ inline f32x8 load8(const float* p) {
   return v;
 }
 
+// a * b + c, fused where the CPU has FMA.
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
+#if defined(__FMA__) && defined(__AVX2__)
+  __m256 va, vb, vc;
+  std::memcpy(&va, &a, sizeof a), std::memcpy(&vb, &b, sizeof b), std::memcpy(&vc, &c, sizeof c);
+  const __m256 r = _mm256_fmadd_ps(va, vb, vc);
+  f32x8 out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  float32x4_t lo, hi, alo, ahi, blo, bhi;
+  std::memcpy(&alo, &a, 16), std::memcpy(&ahi, reinterpret_cast<char*>(&a) + 16, 16);
+  std::memcpy(&blo, &b, 16), std::memcpy(&bhi, reinterpret_cast<char*>(&b) + 16, 16);
+  std::memcpy(&lo, &c, 16), std::memcpy(&hi, reinterpret_cast<char*>(&c) + 16, 16);
+  lo = vfmaq_f32(lo, alo, blo), hi = vfmaq_f32(hi, ahi, bhi);
+  f32x8 out;
+  std::memcpy(&out, &lo, 16), std::memcpy(reinterpret_cast<char*>(&out) + 16, &hi, 16);
+  return out;
+#else
+  return a * b + c;
+#endif
+}
+
 // 8 int8 weights as floats, times their scale. GCC scalarises a generic int8 -> float vector conversion, so
 // the widening is written per instruction set; elsewhere a plain loop.
 inline f32x8 weights8(const int8_t* q, float s) {
@@ -128,15 +162,15 @@ void block_portable(const Problem& p, int64_t r0, int64_t o0) {
       for (int r = 0; r < R; ++r) {
         const f32x8 lo = load8(x + r * p.in + i), hi = load8(x + r * p.in + i + 8);
         for (int b = 0; b < B; ++b) {
-          total[r][b][0] += lo * w[b][0];
-          total[r][b][1] += hi * w[b][1];
+          total[r][b][0] = fma8(lo, w[b][0], total[r][b][0]);
+          total[r][b][1] = fma8(hi, w[b][1], total[r][b][1]);
         }
       }
     }
     for (int64_t i = full; i < end; ++i)
       for (int b = 0; b < B; ++b) {
         const float w = static_cast<float>(p.q[(o0 + b) * p.in + i]) * p.scales[(o0 + b) * ng + g];
-        for (int r = 0; r < R; ++r) tail[r][b] += x[r * p.in + i] * w;
+        for (int r = 0; r < R; ++r) tail[r][b] = std::fma(x[r * p.in + i], w, tail[r][b]);
       }
   }
   for (int r = 0; r < R; ++r)
@@ -148,27 +182,149 @@ void block_portable(const Problem& p, int64_t r0, int64_t o0) {
     }
 }
 
-// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, in tiles of 8 accumulators.
-void block_tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
+#if !defined(__AVX512F__)
+// Without AVX-512: int8 weights x int16 activations, summed exactly in int32 per group. Each row of x is
+// quantized once per call to int16 with one scale per row (absmax / 32767: a relative step of 1.5e-5 of the
+// row's largest value, far below the int8 weights' own error), so 16 weights take one widening to int16
+// and one multiply-add of pairs per row (AVX2 vpmaddwd; NEON smull/smlal), where the float path takes a
+// conversion to int32, one to float, a scale and an FMA per 8. Each group's int32 sums are converted once
+// and scaled by the weights' group scale; the row's scale multiplies the final sum. Integer sums are exact,
+// so a row's result does not depend on its batch here either.
+using i32x8 = int32_t __attribute__((vector_size(32)));
+
+#if defined(__AVX2__)
+using W16 = __m256i;  // 16 weights widened to int16
+inline W16 widen16(const int8_t* q) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))); }
+inline i32x8 madd16(W16 w, const int16_t* x) {
+  const __m256i v = _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  i32x8 r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+struct W16 {
+  int16x8_t lo, hi;
+};
+inline W16 widen16(const int8_t* q) {
+  const int8x16_t b = vld1q_s8(q);
+  return {vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b)};
+}
+inline i32x8 madd16(W16 w, const int16_t* x) {
+  const int16x8_t xl = vld1q_s16(x), xh = vld1q_s16(x + 8);
+  const int32x4_t a = vmlal_high_s16(vmull_s16(vget_low_s16(w.lo), vget_low_s16(xl)), w.lo, xl);
+  const int32x4_t b = vmlal_high_s16(vmull_s16(vget_low_s16(w.hi), vget_low_s16(xh)), w.hi, xh);
+  i32x8 r;
+  std::memcpy(&r, &a, sizeof a);
+  std::memcpy(reinterpret_cast<char*>(&r) + sizeof a, &b, sizeof b);
+  return r;
+}
+#else
+struct W16 {
+  int16_t v[16];
+};
+inline W16 widen16(const int8_t* q) {
+  W16 w;
+  for (int l = 0; l < 16; ++l) w.v[l] = q[l];
+  return w;
+}
+inline i32x8 madd16(const W16& w, const int16_t* x) {
+  i32x8 r;
+  for (int l = 0; l < 8; ++l) r[l] = int32_t(w.v[2 * l]) * x[2 * l] + int32_t(w.v[2 * l + 1]) * x[2 * l + 1];
+  return r;
+}
+#endif
+
+inline f32x8 to_float(i32x8 v) { return __builtin_convertvector(v, f32x8); }
+
+// Rows [r0, r0 + R) x outputs [o0, o0 + B); the group is a multiple of 16 (G: it, known when compiled; 0: p.group).
+// Two float accumulators, for even and odd groups, halve the FMA chain a row's groups wait on.
+template <int R, int B, int G>
+void block_int(const Problem& p, int64_t r0, int64_t o0) {
+  const int64_t ng = p.groups(), group = G ? G : p.group;
+  const int8_t* q[B];
+  const float* sc[B];
+  for (int b = 0; b < B; ++b) q[b] = p.q + (o0 + b) * p.in, sc[b] = p.scales + (o0 + b) * ng;
+  const int16_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
+  f32x8 total[2][R][B] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    i32x8 acc[R][B] = {};
+    for (int64_t k = 0; k < group; k += 16) {
+      W16 w[B];
+      for (int b = 0; b < B; ++b) w[b] = widen16(q[b] + k);
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) acc[r][b] += madd16(w[b], x[r] + k);
+    }
+    for (int b = 0; b < B; ++b) {
+      const float s = sc[b][g];
+      const f32x8 sv = f32x8{} + s;
+      for (int r = 0; r < R; ++r) total[g & 1][r][b] = fma8(to_float(acc[r][b]), sv, total[g & 1][r][b]);
+      q[b] += group;
+    }
+    for (int r = 0; r < R; ++r) x[r] += group;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      const f32x8 v = total[0][r][b] + total[1][r][b];
+      float sum = 0.f;
+      for (int l = 0; l < 8; ++l) sum += v[l];
+      p.y[(r0 + r) * p.out + o0 + b] = finish(p, o0 + b, sum * p.xs[r0 + r]);
+    }
+}
+
+// x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
+void quantize_rows(const Problem& p, int16_t* xq, float* xs, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* x = p.x + r * p.in;
+    float m = 0.f;
+    for (int64_t i = 0; i < p.in; ++i) m = std::max(m, std::fabs(x[i]));
+    const float inv = m > 0.f ? 32767.f / m : 0.f;
+    int16_t* out = xq + r * p.in;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 k = _mm256_set1_ps(inv);
+    for (; i + 16 <= p.in; i += 16) {  // round to nearest even, as nearbyint below
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), k));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), k));
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+    }
+#endif
+    for (; i < p.in; ++i) out[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+    xs[r] = m > 0.f ? m / 32767.f : 0.f;
+  }
+}
+#endif
+
+template <int R, int B>
+struct Float {
+  static void run(const Problem& p, int64_t r0, int64_t o0) { block_portable<R, B>(p, r0, o0); }
+};
+#if !defined(__AVX512F__)
+template <int R, int B>
+struct Int {
+  static void run(const Problem& p, int64_t r0, int64_t o0) {
+    p.group == 32 ? block_int<R, B, 32>(p, r0, o0) : block_int<R, B, 0>(p, r0, o0);
+  }
+};
+#endif
+
+// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, in tiles of 8 accumulators: through
+// kernel K (block_portable, float32 activations; or block_int).
+template <template <int, int> class K>
+void tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   for (int64_t r = r0; r < r0 + rows;) {
     const int64_t left = r0 + rows - r;
-    if (left >= 4) {
-      for (int64_t o = o0; o < o0 + outs; ++o) block_portable<4, 1>(p, r, o);
-      r += 4;
-    } else if (left >= 2) {
-      int64_t o = o0;
-      for (; o + 2 <= o0 + outs; o += 2) block_portable<2, 2>(p, r, o);
-      if (o < o0 + outs) block_portable<2, 1>(p, r, o);
-      r += 2;
-    } else {
-      int64_t o = o0;
-      if (outs == 4) {
-        block_portable<1, 4>(p, r, o);
+    for (int64_t o = o0; o < o0 + outs; ++o) {
+      if (left >= 4) {
+        K<4, 1>::run(p, r, o);
+      } else if (left >= 2) {
+        K<2, 1>::run(p, r, o);
       } else {
-        for (; o < o0 + outs; ++o) block_portable<1, 1>(p, r, o);
+        K<1, 1>::run(p, r, o);
       }
-      r += 1;
     }
+    r += left >= 4 ? 4 : left >= 2 ? 2 : 1;
   }
 }
 
@@ -185,14 +341,15 @@ void block_rows(const Problem& p, int64_t r0, int64_t rows, int64_t o0) {
 }
 
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (p.group % 16) return block_tiles(p, r0, rows, o0, outs);
+  if (p.group % 16) return tiles<Float>(p, r0, rows, o0, outs);
   if (outs == kOutBlock && rows <= kMaxRows(4)) return block_rows<4>(p, r0, rows, o0);
   for (int64_t o = o0; o + 2 <= o0 + outs; o += 2) block_rows<2>(p, r0, rows, o);
   if (outs % 2) block_rows<1>(p, r0, rows, o0 + outs - 1);
 }
 #else
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  block_tiles(p, r0, rows, o0, outs);
+  if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
+  tiles<Float>(p, r0, rows, o0, outs);
 }
 #endif
 
@@ -233,8 +390,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     bias_ptr = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({rows, out}, x.options());
-  run({x.data_ptr<float>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr, y.data_ptr<float>(),
-       rows, in, out, in / groups});
+  Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr,
+            y.data_ptr<float>(), rows, in, out, in / groups};
+  at::Tensor xq, xs;
+#if !defined(__AVX512F__)
+  if (p.group % 16 == 0) {
+    xq = at::empty({rows, in}, x.options().dtype(at::kShort));
+    xs = at::empty({rows}, x.options());
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      quantize_rows(p, xq.data_ptr<int16_t>(), xs.data_ptr<float>(), begin, end);
+    });
+    p.xq = xq.data_ptr<int16_t>();
+    p.xs = xs.data_ptr<float>();
+  }
+#endif
+  run(p);
   return y;
 }
 
