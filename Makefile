@@ -36,6 +36,7 @@ demo: install
 # soak: 1,000 streaming requests, 200 at once, a third cut mid-stream, on a tiny model (~30 s; not in `make test`)
 soak: install
 	$(BIN)/python tests/soak.py
+	$(BIN)/python tests/soak.py int8w int8w-invariant
 
 bench-paper: install
 	$(BIN)/mvllm bench experiments/paper-8.toml

@@ -1,7 +1,8 @@
 """Soak: 1,000 streaming requests, 200 at a time, every third cut by its client mid-stream, against a fresh
 `mvllm serve` on a tiny model. Checks every completed stream's tokens against the same prompt served alone,
 that every backend's KV blocks are all free again, and the server's RSS growth. Run: `make soak`, or
-`python tests/soak.py BACKENDS NAME` for other backends. Writes results/soak/soak.json (soak-int8w.json etc. for
+`python tests/soak.py BACKENDS NAME` for other backends (`make soak` runs float32, then int8w with
+batch_invariant=on as `python tests/soak.py int8w int8w-invariant`). Writes results/soak/soak.json (soak-int8w.json etc. for
 other backends), with the machine and the command."""
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from mvllm.env import cpu_name, git_commit
 MODEL = "synthetic:tiny-qwen2"
 REQUESTS, CONCURRENCY, PROMPTS, MAX_TOKENS = 1000, 200, 25, 32
 RSS_LIMIT_MB = 50
-# float32: its kernels give a request the same tokens whatever else shares its batch. int8w prefills batches
-# of more than 8 tokens in bf16, so there a greedy near-tie can fall the other way under load.
+# float32 and int8w with batch_invariant=on give a request the same tokens whatever else shares its batch.
+# int8w's default prefills steps of more than 8 tokens in a GEMM (bf16 where the CPU has it), so there a greedy
+# near-tie can fall the other way under load.
 BACKENDS = "gpu=cpu/threads=1/dtype=float32,cpu=cpu/threads=1/dtype=float32"
+INT8W = "gpu=cpu/threads=1/quant=int8w/batch_invariant=on,cpu=cpu/threads=1/quant=int8w/batch_invariant=on"
 
 
 def rss_mb(pid: int) -> float:
@@ -105,6 +108,7 @@ def main(backends: str = BACKENDS, name: str = "soak") -> int:
     result.update(server_rss_growth_mb=round(growth, 1), model=MODEL, cpu=cpu_name(), python=platform.python_version(),
                   git_commit=git_commit(), backends=backends,
                   command="make soak (python tests/soak.py)" if backends == BACKENDS else
+                  "make soak (python tests/soak.py int8w int8w-invariant)" if backends == INT8W else
                   f"python tests/soak.py {backends} {name.removeprefix('soak-')}")
     ok = (result["failed"] == 0 and result["wrong_tokens"] == 0 and result["pools_after"] == result["pools_before"]
           and result["completed"] == REQUESTS - REQUESTS // 3 and growth < RSS_LIMIT_MB and result["health"] == 200)
@@ -116,5 +120,6 @@ def main(backends: str = BACKENDS, name: str = "soak") -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        sys.exit(main(sys.argv[1], f"soak-{sys.argv[2] if len(sys.argv) > 2 else 'other'}"))
+        backends = INT8W if sys.argv[1] == "int8w" else sys.argv[1]
+        sys.exit(main(backends, f"soak-{sys.argv[2] if len(sys.argv) > 2 else 'other'}"))
     sys.exit(main())
