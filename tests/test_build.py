@@ -305,3 +305,18 @@ def test_sources_compile_for_aarch64(aarch64_objects, source, openmp):
     assert status == 0, build.first_error(output) + "\n" + output[-3000:]
     header = obj.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_the_aarch64_int8_kernel_multiplies_in_int16(aarch64_objects):
+    """On aarch64 (an M2) the int8 kernel's inner loop is NEON integer multiply-adds of int8 weights widened to
+    int16 by int16 activations (smull/smlal), not float conversions."""
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump is None:
+        pytest.skip("aarch64-linux-gnu-objdump is not installed")
+    obj, status, _ = aarch64_objects[("int8_linear.cpp", False)]
+    assert status == 0
+    text = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, timeout=60).stdout
+    ops = [line.split("\t")[2].split()[0] for line in text.splitlines() if line.count("\t") >= 2]
+    assert sum(op in ("smull", "smull2") for op in ops) >= 4
+    assert sum(op in ("smlal", "smlal2") for op in ops) >= 4
+    assert "fmla" in ops

@@ -108,3 +108,26 @@ def test_fallback_without_kernel(monkeypatch):
     q, scales = ck.quantize_weight(torch.randn(50, 64))
     x, bias = torch.randn(3, 64), torch.randn(50)
     assert_close(ck.int8_linear(x, q, scales, bias), reference(x, q, scales, bias))
+
+
+def test_integer_activations_are_exact(kernel):
+    """Without AVX-512 each row is rounded to int16 (one scale per row) and each group summed in int32: a row of
+    integers whose largest magnitude is 32767 passes unchanged, so only the float sum over groups rounds."""
+    gen = torch.Generator().manual_seed(3)
+    q, scales = ck.quantize_weight(torch.randn(64, 896, generator=gen))
+    x = torch.randint(-32767, 32768, (3, 896), generator=gen).float()
+    x[:, 5] = 32767.0
+    ref = reference(x, q, scales)
+    torch.testing.assert_close(ck.int8_linear(x, q, scales), ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
+
+
+def test_rounding_error_is_within_a_step_of_the_row(kernel):
+    """The error of int16 activations is at most half a step (absmax / 32767) per input: bounded, and far below
+    the int8 weights' own (they are compared here against their de-quantized selves)."""
+    gen = torch.Generator().manual_seed(4)
+    q, scales = ck.quantize_weight(torch.randn(200, 4864, generator=gen))
+    x = torch.randn(4, 4864, generator=gen)
+    x[0, 7] = 400.0  # an outlier sets the row's step
+    w = ck.dequantize(q, scales).double()
+    bound = (x.abs().amax(-1, keepdim=True).double() / 32767 / 2) * w.abs().sum(-1) + 1e-4
+    assert ((ck.int8_linear(x, q, scales).double() - x.double() @ w.T).abs() <= bound).all()

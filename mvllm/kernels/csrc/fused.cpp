@@ -52,6 +52,40 @@ __m512 exp16(__m512 x) {
 }
 #endif
 
+#if !defined(__AVX512F__)
+// Without AVX-512: 8-lane vectors in GCC/Clang vector extensions (AVX2 on x86, two NEON registers on aarch64).
+using f32x8 = float __attribute__((vector_size(32)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (a score minus the running max), clamped at -87: exp16's polynomial, 2^n from the exponent
+// bits. Round to nearest by adding and subtracting 1.5 * 2^23.
+inline f32x8 exp8(f32x8 x) {
+  x = x < -87.f ? f32x8{} - 87.f : x;
+  const f32x8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  f32x8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x8 q = f32x8{} + 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  q = q * r * r + (r + 1.f);
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  f32x8 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return q * two_n;
+}
+#endif
+
 float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
@@ -102,8 +136,16 @@ float exp_sum(float* __restrict x, float m, int64_t n) {
   }
   return _mm512_reduce_add_ps(sum);
 #else
+  f32x8 sum = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const f32x8 e = exp8(load8(x + i) - m);
+    store8(x + i, e);
+    sum += e;
+  }
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += (x[i] = std::exp(x[i] - m));
+  for (int l = 0; l < 8; ++l) s += sum[l];
+  for (; i < n; ++i) s += (x[i] = std::exp(x[i] - m));
   return s;
 #endif
 }
@@ -324,6 +366,23 @@ void scores(const Attn& a, const float* q, const float* const* rows, int64_t n, 
     for (int64_t i = 0; i < n; ++i) s[j * kTile + i] = dot(q + j * a.d, rows[i], a.d);
 }
 
+#if !defined(__AVX512F__)
+// acc[j] += sum_i p[j, i] * value_i for D = 8 * NV, NV vectors of one head at a time.
+template <int NV>
+void values_portable(const Attn& a, float* acc, const float* p, const float* const* rows, int64_t n) {
+  for (int64_t j = 0; j < a.g; ++j) {
+    f32x8 o[NV];
+    for (int v = 0; v < NV; ++v) o[v] = load8(acc + j * a.d + 8 * v);
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = p[j * kTile + i];
+      const float* row = rows[i] + a.voff;
+      for (int v = 0; v < NV; ++v) o[v] += load8(row + 8 * v) * w;
+    }
+    for (int v = 0; v < NV; ++v) store8(acc + j * a.d + 8 * v, o[v]);
+  }
+}
+#endif
+
 void values(const Attn& a, float* acc, const float* p, const float* const* rows, int64_t n) {
 #if defined(__AVX512F__)
   switch (a.nv) {
@@ -331,6 +390,12 @@ void values(const Attn& a, float* acc, const float* p, const float* const* rows,
     case 2: return values_avx512<2>(acc, a.g, p, rows, a.voff, n);
     case 4: return values_avx512<4>(acc, a.g, p, rows, a.voff, n);
     case 8: return values_avx512<8>(acc, a.g, p, rows, a.voff, n);
+  }
+#endif
+#if !defined(__AVX512F__)
+  switch (a.d) {  // each head's output in registers across the tile's keys
+    case 64: return values_portable<8>(a, acc, p, rows, n);
+    case 128: return values_portable<16>(a, acc, p, rows, n);
   }
 #endif
   for (int64_t i = 0; i < n; ++i)
