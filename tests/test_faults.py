@@ -12,11 +12,10 @@ import threading
 import time
 
 import httpx
+import pytest
 from conftest import start_long_stream, wait_for
 
-import pytest
-
-from mvllm.bench.process import ServerError, ServerProcess, free_port
+from mvllm.bench.process import ServerError, ServerProcess
 
 MODEL = "synthetic:smollm2-135m"  # slow enough on one thread that requests queue behind a long one
 BACKENDS = "gpu=cpu/threads=1/max_active=1,cpu=cpu/threads=1/max_active=1"
