@@ -126,3 +126,13 @@ def test_bfloat16_is_refused_where_it_is_not_native(monkeypatch):
         cpu_mode("bfloat16", None)
     with pytest.raises(InvalidRequestError, match="backend cpu: dtype=bfloat16 does not run"):
         parse_backends("cpu=cpu/dtype=bfloat16")
+
+
+def test_more_threads_than_cpus_is_one_error(monkeypatch):
+    from mvllm import machine
+
+    monkeypatch.setattr(machine, "logical_cpus", lambda: 4)
+    with pytest.raises(InvalidRequestError, match="threads=5 is more than the 4 CPUs this process may run on"):
+        parse_backends("cpu=cpu/threads=5")
+    assert parse_backends("cpu=cpu/threads=4")[0].threads == 4
+    assert parse_backends("gpu=cuda,cpu=cpu/threads=8", check_devices=False)[1].threads == 8  # the simulator's

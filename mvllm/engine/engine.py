@@ -65,6 +65,9 @@ class EngineConfig:
         device_type = device.type
         if device_type not in DEFAULT_DTYPES:
             raise InvalidRequestError(f"unknown device {self.device!r}; use cpu, cuda or mps", "device")
+        if device_type == "cpu" and self.threads is not None and self.threads > machine.logical_cpus():
+            raise InvalidRequestError(f"threads={self.threads} is more than the {machine.logical_cpus()} CPUs this "
+                                      "process may run on (oversubscribed threads slow every step)", "threads")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError("device cuda was asked for but this machine has no CUDA GPU", "device")
         if device_type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
