@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from mvllm import machine
-from mvllm.engine import quant
 from mvllm.kernels import cpu_int8
 from mvllm.model.presets import PRESETS
 
@@ -46,7 +45,6 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    ap.add_argument("--bf16", action="store_true", help="also oneDNN's packed bf16 GEMM (prefill's path)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.threads:
@@ -59,7 +57,6 @@ def main() -> None:
     weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, h) * 0.02]
     packed = [cpu_int8.quantize_weight(w) for w in weights]
     nbytes = sum(q.numel() + 4 * s.numel() for q, s in packed)
-    gemms = [quant.dense(w.bfloat16(), None) for w in weights] if a.bf16 and quant.packable(quant.CPU, torch.bfloat16) else []
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
@@ -68,12 +65,9 @@ def main() -> None:
         t32, t8 = step_ms(f32, a.repeats), step_ms(i8, a.repeats)
         row = {"rows": rows, "float32_ms": round(t32, 3), "int8w_ms": round(t8, 3),
                "float32_over_int8w": round(t32 / t8, 2), "int8w_GB_s": round(nbytes / t8 / 1e6, 1)}
-        if a.bf16 and quant.packable(quant.CPU, torch.bfloat16):
-            row["bf16_gemm_ms"] = round(step_ms([lambda g=g, xs=xs: g(xs[g.in_features].bfloat16()) for g in gemms],
-                                                a.repeats), 3)
         rows_out.append(row)
         print(f"rows {rows}: float32 {t32:.2f} ms, int8w {t8:.2f} ms ({row['int8w_GB_s']} GB/s) a step's linears: "
-              f"int8w {t32 / t8:.2f}x" + (f"; bf16 GEMM {row['bf16_gemm_ms']} ms" if "bf16_gemm_ms" in row else ""))
+              f"int8w {t32 / t8:.2f}x")
     info = {"model": a.model, "threads": torch.get_num_threads(), "avx512": machine.avx512(),
             "build": cpu_int8.build_info(), "rows": rows_out}
     if a.out:

@@ -10,7 +10,7 @@ compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs),
 fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
 step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8
 kernel, so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a
-bf16 GEMM; see engine/quant.py).
+GEMM, bf16 where the CPU has it; see engine/quant.py).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving

@@ -3,7 +3,8 @@
 - `int8w` (accurate): int8 weights in groups of 32 input columns, one float32 scale each, float32 activations.
   Decode-sized batches (up to PACKED_MAX_ROWS tokens) run mvllm's int8 kernel (engine/cpu_int8.py),
   which reads each weight byte once per step: a quarter of float32's bytes. Prefill-sized batches run
-  oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16).
+  oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16), or with
+  batch_invariant=on the int8 kernel too, so a row's result never depends on its batch mates.
 - `none` with dtype bfloat16 or float32: every Linear keeps its weight in oneDNN's blocked layout where that
   works (x86), else plain F.linear.
 - `int8-lossy`: PyTorch's dynamic int8 Linear. Activations are quantized per call with one scale per
@@ -46,14 +47,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gemm_rows = 1 << 62 if invariant else PACKED_MAX_ROWS
+        self.gemm = None  # invariant: every row through the kernel, no de-quantized copy
         if not invariant:
             self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
             self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.gemm_rows:
+        if self.gemm is None or rows.shape[0] <= PACKED_MAX_ROWS:
             y = cpu_int8.int8_linear(rows, self.q, self.scales, self.bias, check=False)
         else:
             y = self.gemm(rows.to(self.wide)).float()
@@ -183,8 +184,8 @@ def _swap(module: nn.Module, invariant: bool) -> None:
             _swap(child, invariant)
 
 
-def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: bool | None = None) -> Decoder:
-    """batch_invariant (int8w only; None: BATCH_INVARIANT): every row through the int8 kernel."""
+def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: bool | None = False) -> Decoder:
+    """batch_invariant (int8w only): every row through the int8 kernel (EngineConfig resolves its default)."""
     if quant == "none":
         return model
     if quant not in QUANTS:
@@ -194,7 +195,7 @@ def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: 
     model = model.float()
     _untie(model)
     if quant == "int8w":
-        _swap(model, BATCH_INVARIANT if batch_invariant is None else batch_invariant)
+        _swap(model, bool(batch_invariant))
         return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -391,8 +391,7 @@ void values(const Attn& a, float* acc, const float* p, const float* const* rows,
     case 4: return values_avx512<4>(acc, a.g, p, rows, a.voff, n);
     case 8: return values_avx512<8>(acc, a.g, p, rows, a.voff, n);
   }
-#endif
-#if !defined(__AVX512F__)
+#else
   switch (a.d) {  // each head's output in registers across the tile's keys
     case 64: return values_portable<8>(a, acc, p, rows, n);
     case 128: return values_portable<16>(a, acc, p, rows, n);

@@ -3,14 +3,6 @@
 // Every weight byte is read from memory once per call: each block of output rows is streamed once
 // while all activation rows (small, cache resident) are applied to it.
 
-// No implicit FMA contraction: which products the compiler fuses may differ between template instances (row
-// tiles), and a row's result must not depend on its tile (batch invariance). FMAs are written out (fma8).
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,6 +18,14 @@
 #include <immintrin.h>
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
+#endif
+
+// No implicit FMA contraction: which products the compiler fuses may differ between template instances (row
+// tiles), and a row's result must not depend on its tile (batch invariance). FMAs are written out (fma8).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
 #endif
 
 namespace {
@@ -90,8 +90,8 @@ void block_avx512(const Problem& p, int64_t r0, int64_t o0) {
 
 // Portable path, in GCC/Clang vector extensions (AVX2 or SSE on x86, NEON on aarch64): rows [r0, r0 + R) x
 // outputs [o0, o0 + B). Each 16 weights are converted and scaled once (w = q * s, as the AVX-512 path does)
-// and applied to all R rows; R x B x 2 accumulators of 8 lanes (8 at the sizes dispatched) hide the FMA's
-// latency. A group's inputs past its last multiple of 16 are summed one by one.
+// and applied to all R rows in R x B x 2 accumulators of 8 lanes. A group's inputs past its last multiple of
+// 16 are summed one by one. Without AVX-512 it runs only where the group is not a multiple of 16 (else block_int).
 using f32x8 = float __attribute__((vector_size(32)));
 
 inline f32x8 load8(const float* p) {
@@ -309,8 +309,9 @@ struct Int {
 };
 #endif
 
-// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, in tiles of 8 accumulators: through
-// kernel K (block_portable, float32 activations; or block_int).
+// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, one output at a time in tiles of 4, 2 or 1
+// rows through kernel K (block_portable, float32 activations; or block_int): one weight row streams at a time,
+// which the hardware prefetcher follows (on the AVX2 machine, 4 interleaved rows ran at 7.5 GB/s, 1 at 11.6).
 template <template <int, int> class K>
 void tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   for (int64_t r = r0; r < r0 + rows;) {
