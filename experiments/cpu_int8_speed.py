@@ -1,15 +1,21 @@
 """The int8w kernel (mvllm/kernels/cpu_int8.py) against float32 F.linear on this CPU, in the same run: one
 decode step's linears of a model (every layer its own weights, so they stream from memory as in a real step),
-at 1 and 4 rows, the milliseconds of each and their ratio. On a CPU without AVX-512 this is the portable path.
+at 1 and 4 rows, the milliseconds of each and their ratio. --paths int16,float,float4 runs the kernel's paths
+(MVLLM_INT8_PATH, read once per process) one process each, in the same call, and prints each against the first.
 
-    python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--out FILE]
+    python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
+        [--paths int16,float] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -45,8 +51,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--paths", help="kernel paths to compare, one process each (MVLLM_INT8_PATH)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.paths:
+        return compare(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     if not cpu_int8.available():
@@ -69,10 +78,33 @@ def main() -> None:
         print(f"rows {rows}: float32 {t32:.2f} ms, int8w {t8:.2f} ms ({row['int8w_GB_s']} GB/s) a step's linears: "
               f"int8w {t32 / t8:.2f}x")
     info = {"model": a.model, "threads": torch.get_num_threads(), "avx512": machine.avx512(),
+            "path": cpu_int8.build_info().get("path"),
             "build": cpu_int8.build_info(), "rows": rows_out}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(info, f, indent=2, default=str)
+            f.write("\n")
+
+
+def compare(a) -> None:
+    """Each path in a process of its own, one after the other; every path's ms against the first path's."""
+    runs = {}
+    for path in a.paths.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, __file__, "--model", a.model, "--rows", a.rows, "--repeats", str(a.repeats),
+                   "--out", f.name] + (["--threads", str(a.threads)] if a.threads else [])
+            print(f"MVLLM_INT8_PATH={path}:", flush=True)
+            subprocess.run(cmd, check=True, env={**os.environ, "MVLLM_INT8_PATH": path})
+            runs[path] = json.load(open(f.name))
+    first = next(iter(runs))
+    for path, run in runs.items():
+        for row, base in zip(run["rows"], runs[first]["rows"]):
+            row[f"over_{first}"] = round(row["int8w_ms"] / base["int8w_ms"], 3)
+            print(f"rows {row['rows']}: {path} ({run['path']}) {row['int8w_ms']:.2f} ms, "
+                  f"{row[f'over_{first}']:.2f}x {first}'s")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"paths": runs}, f, indent=2, default=str)
             f.write("\n")
 
 

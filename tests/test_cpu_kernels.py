@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -111,7 +116,7 @@ def test_fallback_without_kernel(monkeypatch):
 
 
 def test_integer_activations_are_exact(kernel):
-    """Without AVX-512 each row is rounded to int16 (one scale per row) and each group summed in int32: a row of
+    """By default each row is rounded to int16 (one scale per row) and each group summed in int32: a row of
     integers whose largest magnitude is 32767 passes unchanged, so only the float sum over groups rounds."""
     gen = torch.Generator().manual_seed(3)
     q, scales = ck.quantize_weight(torch.randn(64, 896, generator=gen))
@@ -131,3 +136,35 @@ def test_rounding_error_is_within_a_step_of_the_row(kernel):
     w = ck.dequantize(q, scales).double()
     bound = (x.abs().amax(-1, keepdim=True).double() / 32767 / 2) * w.abs().sum(-1) + 1e-4
     assert ((ck.int8_linear(x, q, scales).double() - x.double() @ w.T).abs() <= bound).all()
+
+
+PATH_CHECK = textwrap.dedent("""
+    import torch
+    from mvllm.kernels import cpu_int8 as ck
+    assert ck.available(), ck.why_unavailable
+    gen = torch.Generator().manual_seed(5)
+    q, s = ck.quantize_weight(torch.randn(300, 896, generator=gen))
+    b = torch.randn(300, generator=gen)
+    x = torch.randn(7, 896, generator=gen)
+    y = ck.int8_linear(x, q, s, b)
+    ref = (x.double() @ ck.dequantize(q, s).double().T + b.double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for r in range(7):  # each row alone gets the bits it gets in the batch
+        assert torch.equal(ck.int8_linear(x[r:r + 1], q, s, b)[0], y[r]), r
+    print(ck.build_info()["path"])
+""")
+
+
+@pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("float4", "float"),
+                                       ("nonsense", "int16")])
+def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
+    """MVLLM_INT8_PATH picks the path (read once per process, so one process each): every path agrees with the
+    reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 is
+    AVX-512's interleaved float path, the plain float path elsewhere; an unknown value is the default)."""
+    env = {**os.environ, "MVLLM_INT8_PATH": path}
+    done = subprocess.run([sys.executable, "-c", PATH_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    named = done.stdout.strip().splitlines()[-1]
+    assert named.startswith(name), named
+    if path == "float4":
+        assert ("float4" in named) == ("AVX-512" in named), named

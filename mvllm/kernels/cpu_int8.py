@@ -7,9 +7,10 @@ build fails it returns False and `why_unavailable` says why (one line: the compi
 `int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
 `build_info()`: build.status("int8"), the flags it built with and whether with OpenMP, or its error.
 
-The kernel has a portable path for CPUs without AVX-512 (activations rounded to int16 per row, int16
-multiply-adds: AVX2, NEON or plain loops), so it builds on any CPU, and quant.cpu_mode picks int8w wherever it
-builds. On SmolLM2's real weights the portable path keeps mean KL 0.0010, top-1 97.8% against float32 (a
+By default each activation row is rounded to int16 once per call (one scale per row) and the kernel sums
+int16 x int8 products exactly in int32 per group: AVX-512 VNNI (vpdpwssd), AVX2, NEON or plain loops, so it
+builds on any CPU, and quant.cpu_mode picks int8w wherever it builds. MVLLM_INT8_PATH=float (or float4 on
+AVX-512, the interleaved layout before) keeps float32 activations, for same-run comparisons. On SmolLM2's real weights the portable path keeps mean KL 0.0010, top-1 97.8% against float32 (a
 2-vCPU AVX2 machine; results/profile/dev2core-int16-accuracy.json).
 """
 
@@ -63,8 +64,12 @@ def available() -> bool:
 
 
 def build_info() -> dict:
-    """How the kernel built in this process (build.status): builds nothing; call available() first."""
-    return build.status("int8")
+    """How the kernel built in this process (build.status): builds nothing; call available() first. Built, it
+    also names the path a call takes at GROUP (`path`: int16 or float activations and their instructions)."""
+    info = build.status("int8")
+    if _op is not None:
+        info["path"] = torch.ops.mvllm_int8.path(GROUP)
+    return info
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -182,24 +184,44 @@ void block_portable(const Problem& p, int64_t r0, int64_t o0) {
     }
 }
 
-#if !defined(__AVX512F__)
-// Without AVX-512: int8 weights x int16 activations, summed exactly in int32 per group. Each row of x is
-// quantized once per call to int16 with one scale per row (absmax / 32767: a relative step of 1.5e-5 of the
-// row's largest value, far below the int8 weights' own error), so 16 weights take one widening to int16
-// and one multiply-add of pairs per row (AVX2 vpmaddwd; NEON smull/smlal), where the float path takes a
-// conversion to int32, one to float, a scale and an FMA per 8. Each group's int32 sums are converted once
-// and scaled by the weights' group scale; the row's scale multiplies the final sum. Integer sums are exact,
-// so a row's result does not depend on its batch here either.
-using i32x8 = int32_t __attribute__((vector_size(32)));
-
+// int8 weights x int16 activations, summed exactly in int32 per group. Each row of x is quantized once per
+// call to int16 with one scale per row (absmax / 32767: a relative step of 1.5e-5 of the row's largest value,
+// far below the int8 weights' own error), so kStep weights take one widening to int16 and one multiply-add of
+// pairs per row (AVX-512 vpdpwssd with VNNI, else vpmaddwd; AVX2 vpmaddwd; NEON smull/smlal), where the float
+// path takes a conversion to int32, one to float, a scale and an FMA. Each group's int32 sums are converted once
+// and scaled by the weights' group scale; the row's scale multiplies the final sum. Integer sums are exact, so
+// a row's result does not depend on its batch here either.
+#if defined(__AVX512BW__)
+constexpr int64_t kStep = 32;  // weights per multiply-add step
+using i32v = int32_t __attribute__((vector_size(64)));
+using f32v = float __attribute__((vector_size(64)));
+using W16 = __m512i;  // 32 weights widened to int16
+inline W16 widen16(const int8_t* q) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))); }
+inline i32v madd16(i32v acc, W16 w, const int16_t* x) {
+  const __m512i xv = _mm512_loadu_si512(x);
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<i32v>(_mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), w, xv));
+#else
+  return acc + reinterpret_cast<i32v>(_mm512_madd_epi16(w, xv));
+#endif
+}
+inline f32v fmav(f32v a, f32v b, f32v c) {
+  return reinterpret_cast<f32v>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+}
+#else
+constexpr int64_t kStep = 16;
+using i32v = int32_t __attribute__((vector_size(32)));
+using f32v = f32x8;
+inline f32v fmav(f32v a, f32v b, f32v c) { return fma8(a, b, c); }
 #if defined(__AVX2__)
 using W16 = __m256i;  // 16 weights widened to int16
 inline W16 widen16(const int8_t* q) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))); }
-inline i32x8 madd16(W16 w, const int16_t* x) {
+inline i32v madd16(i32v acc, W16 w, const int16_t* x) {
   const __m256i v = _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  i32x8 r;
+  i32v r;
   std::memcpy(&r, &v, sizeof r);
-  return r;
+  return acc + r;
 }
 #elif defined(__ARM_NEON) && defined(__aarch64__)
 struct W16 {
@@ -209,14 +231,14 @@ inline W16 widen16(const int8_t* q) {
   const int8x16_t b = vld1q_s8(q);
   return {vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b)};
 }
-inline i32x8 madd16(W16 w, const int16_t* x) {
+inline i32v madd16(i32v acc, W16 w, const int16_t* x) {
   const int16x8_t xl = vld1q_s16(x), xh = vld1q_s16(x + 8);
   const int32x4_t a = vmlal_high_s16(vmull_s16(vget_low_s16(w.lo), vget_low_s16(xl)), w.lo, xl);
   const int32x4_t b = vmlal_high_s16(vmull_s16(vget_low_s16(w.hi), vget_low_s16(xh)), w.hi, xh);
-  i32x8 r;
+  i32v r;
   std::memcpy(&r, &a, sizeof a);
   std::memcpy(reinterpret_cast<char*>(&r) + sizeof a, &b, sizeof b);
-  return r;
+  return acc + r;
 }
 #else
 struct W16 {
@@ -227,16 +249,18 @@ inline W16 widen16(const int8_t* q) {
   for (int l = 0; l < 16; ++l) w.v[l] = q[l];
   return w;
 }
-inline i32x8 madd16(const W16& w, const int16_t* x) {
-  i32x8 r;
+inline i32v madd16(i32v acc, const W16& w, const int16_t* x) {
+  i32v r;
   for (int l = 0; l < 8; ++l) r[l] = int32_t(w.v[2 * l]) * x[2 * l] + int32_t(w.v[2 * l + 1]) * x[2 * l + 1];
-  return r;
+  return acc + r;
 }
 #endif
+#endif
 
-inline f32x8 to_float(i32x8 v) { return __builtin_convertvector(v, f32x8); }
+inline f32v to_float(i32v v) { return __builtin_convertvector(v, f32v); }
+constexpr int kLanes = sizeof(f32v) / sizeof(float);
 
-// Rows [r0, r0 + R) x outputs [o0, o0 + B); the group is a multiple of 16 (G: it, known when compiled; 0: p.group).
+// Rows [r0, r0 + R) x outputs [o0, o0 + B); the group is a multiple of kStep (G: it, known when compiled; 0: p.group).
 // Two float accumulators, for even and odd groups, halve the FMA chain a row's groups wait on.
 template <int R, int B, int G>
 void block_int(const Problem& p, int64_t r0, int64_t o0) {
@@ -246,28 +270,28 @@ void block_int(const Problem& p, int64_t r0, int64_t o0) {
   for (int b = 0; b < B; ++b) q[b] = p.q + (o0 + b) * p.in, sc[b] = p.scales + (o0 + b) * ng;
   const int16_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
-  f32x8 total[2][R][B] = {};
+  f32v total[2][R][B] = {};
   for (int64_t g = 0; g < ng; ++g) {
-    i32x8 acc[R][B] = {};
-    for (int64_t k = 0; k < group; k += 16) {
+    i32v acc[R][B] = {};
+    for (int64_t k = 0; k < group; k += kStep) {
       W16 w[B];
       for (int b = 0; b < B; ++b) w[b] = widen16(q[b] + k);
       for (int r = 0; r < R; ++r)
-        for (int b = 0; b < B; ++b) acc[r][b] += madd16(w[b], x[r] + k);
+        for (int b = 0; b < B; ++b) acc[r][b] = madd16(acc[r][b], w[b], x[r] + k);
     }
     for (int b = 0; b < B; ++b) {
       const float s = sc[b][g];
-      const f32x8 sv = f32x8{} + s;
-      for (int r = 0; r < R; ++r) total[g & 1][r][b] = fma8(to_float(acc[r][b]), sv, total[g & 1][r][b]);
+      const f32v sv = f32v{} + s;
+      for (int r = 0; r < R; ++r) total[g & 1][r][b] = fmav(to_float(acc[r][b]), sv, total[g & 1][r][b]);
       q[b] += group;
     }
     for (int r = 0; r < R; ++r) x[r] += group;
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
-      const f32x8 v = total[0][r][b] + total[1][r][b];
+      const f32v v = total[0][r][b] + total[1][r][b];
       float sum = 0.f;
-      for (int l = 0; l < 8; ++l) sum += v[l];
+      for (int l = 0; l < kLanes; ++l) sum += v[l];
       p.y[(r0 + r) * p.out + o0 + b] = finish(p, o0 + b, sum * p.xs[r0 + r]);
     }
 }
@@ -294,20 +318,59 @@ void quantize_rows(const Problem& p, int16_t* xq, float* xs, int64_t begin, int6
     xs[r] = m > 0.f ? m / 32767.f : 0.f;
   }
 }
-#endif
 
 template <int R, int B>
 struct Float {
   static void run(const Problem& p, int64_t r0, int64_t o0) { block_portable<R, B>(p, r0, o0); }
 };
-#if !defined(__AVX512F__)
 template <int R, int B>
 struct Int {
   static void run(const Problem& p, int64_t r0, int64_t o0) {
     p.group == 32 ? block_int<R, B, 32>(p, r0, o0) : block_int<R, B, 0>(p, r0, o0);
   }
 };
+#if defined(__AVX512F__)
+template <int R, int B>
+struct Avx512 {
+  static void run(const Problem& p, int64_t r0, int64_t o0) { block_avx512<R, B>(p, r0, o0); }
+};
 #endif
+
+// Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py):
+// "int16" (the default: int16 activations wherever the group is a multiple of kStep), "float" (float32
+// activations, one weight row streaming at a time) or "float4" (AVX-512 only: four interleaved weight rows
+// with software prefetch, the layout before int16 reached AVX-512). Anything else is "int16".
+enum class Path { kInt16, kFloat, kFloat4 };
+Path path() {
+  static const Path chosen = [] {
+    const char* env = std::getenv("MVLLM_INT8_PATH");
+    const std::string v = env ? env : "";
+    return v == "float" ? Path::kFloat : v == "float4" ? Path::kFloat4 : Path::kInt16;
+  }();
+  return chosen;
+}
+bool int16_rows(int64_t group) { return path() == Path::kInt16 && group % kStep == 0; }
+
+// The path a call with this group size takes, and its instructions: what the profile records.
+std::string path_name(int64_t group) {
+  if (int16_rows(group)) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return "int16 (AVX-512 VNNI vpdpwssd)";
+#elif defined(__AVX512BW__)
+    return "int16 (AVX-512 vpmaddwd)";
+#elif defined(__AVX2__)
+    return "int16 (AVX2 vpmaddwd)";
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    return "int16 (NEON smull/smlal)";
+#else
+    return "int16 (plain loops)";
+#endif
+  }
+#if defined(__AVX512F__)
+  if (group % 16 == 0) return path() == Path::kFloat4 ? "float4 (AVX-512, 4 interleaved rows)" : "float (AVX-512)";
+#endif
+  return "float (vector extensions)";
+}
 
 // Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, one output at a time in tiles of 4, 2 or 1
 // rows through kernel K (block_portable, float32 activations; or block_int): one weight row streams at a time,
@@ -341,18 +404,21 @@ void block_rows(const Problem& p, int64_t r0, int64_t rows, int64_t o0) {
   }
 }
 
-void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (p.group % 16) return tiles<Float>(p, r0, rows, o0, outs);
+void block_float4(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   if (outs == kOutBlock && rows <= kMaxRows(4)) return block_rows<4>(p, r0, rows, o0);
   for (int64_t o = o0; o + 2 <= o0 + outs; o += 2) block_rows<2>(p, r0, rows, o);
   if (outs % 2) block_rows<1>(p, r0, rows, o0 + outs - 1);
 }
-#else
+#endif
+
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
+#if defined(__AVX512F__)
+  if (p.group % 16 == 0)
+    return path() == Path::kFloat4 ? block_float4(p, r0, rows, o0, outs) : tiles<Avx512>(p, r0, rows, o0, outs);
+#endif
   tiles<Float>(p, r0, rows, o0, outs);
 }
-#endif
 
 // Each thread takes a range of output blocks. A decode step (rows <= kRowTile) streams each block once for
 // all rows. With more rows (prefill) the thread applies one tile of kRowTile rows to its whole range before
@@ -394,8 +460,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   at::Tensor xq, xs;
-#if !defined(__AVX512F__)
-  if (p.group % 16 == 0) {
+  if (int16_rows(p.group)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
     xs = at::empty({rows}, x.options());
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -404,7 +469,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     p.xq = xq.data_ptr<int16_t>();
     p.xs = xs.data_ptr<float>();
   }
-#endif
   run(p);
   return y;
 }
@@ -413,4 +477,5 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(mvllm_int8, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None) -> Tensor", &int8_linear);
+  m.def("path(int group) -> str", &path_name);
 }
