@@ -1,7 +1,8 @@
 """The int8w kernel (mvllm/kernels/cpu_int8.py) against float32 F.linear on this CPU, in the same run: one
 decode step's linears of a model (every layer its own weights, so they stream from memory as in a real step),
 at 1 and 4 rows, the milliseconds of each and their ratio. --paths int16,float,float4 runs the kernel's paths
-(MVLLM_INT8_PATH, read once per process) one process each, in the same call, and prints each against the first.
+(MVLLM_INT8_PATH, read once per process; float4:2 also sets MVLLM_INT8_AHEAD=2) one process each, in the same
+call, and prints each against the first.
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths int16,float] [--out FILE]
@@ -93,8 +94,10 @@ def compare(a) -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--model", a.model, "--rows", a.rows, "--repeats", str(a.repeats),
                    "--out", f.name] + (["--threads", str(a.threads)] if a.threads else [])
-            print(f"MVLLM_INT8_PATH={path}:", flush=True)
-            subprocess.run(cmd, check=True, env={**os.environ, "MVLLM_INT8_PATH": path})
+            name, _, ahead = path.partition(":")  # float4:2 = MVLLM_INT8_PATH=float4 MVLLM_INT8_AHEAD=2
+            env = {**os.environ, "MVLLM_INT8_PATH": name, **({"MVLLM_INT8_AHEAD": ahead} if ahead else {})}
+            print(f"MVLLM_INT8_PATH={name}" + (f" MVLLM_INT8_AHEAD={ahead}" if ahead else "") + ":", flush=True)
+            subprocess.run(cmd, check=True, env=env)
             runs[path] = json.load(open(f.name))
     first = next(iter(runs))
     for path, run in runs.items():

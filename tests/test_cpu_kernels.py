@@ -155,16 +155,16 @@ PATH_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("float4", "float"),
+@pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("float4", "float"), ("float8", "float"),
                                        ("nonsense", "int16")])
 def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     """MVLLM_INT8_PATH picks the path (read once per process, so one process each): every path agrees with the
-    reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 is
-    AVX-512's interleaved float path, the plain float path elsewhere; an unknown value is the default)."""
+    reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 and float8
+    are AVX-512's interleaved float paths, the plain float path elsewhere; an unknown value is the default)."""
     env = {**os.environ, "MVLLM_INT8_PATH": path}
     done = subprocess.run([sys.executable, "-c", PATH_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     named = done.stdout.strip().splitlines()[-1]
     assert named.startswith(name), named
-    if path == "float4":
-        assert ("float4" in named) == ("AVX-512" in named), named
+    if path in ("float4", "float8"):
+        assert (path in named) == ("AVX-512" in named), named

@@ -32,7 +32,7 @@
 
 namespace {
 
-constexpr int64_t kOutBlock = 4;     // output rows per block: each x load is reused this many times
+constexpr int64_t kOutBlock = 4;     // output rows per block: each x load is reused this many times (float8: 8)
 constexpr int64_t kRowTile = 8;      // activation rows per pass over a block
 constexpr int64_t kGrainOuts = 32;   // output rows per thread at least
 
@@ -45,6 +45,8 @@ struct Problem {
   const float* bias;
   float* y;
   int64_t rows, in, out, group;
+  int64_t block = kOutBlock;  // output rows per block (run's unit of work)
+  int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   int64_t groups() const { return in / group; }
 };
 
@@ -62,7 +64,7 @@ void block_avx512(const Problem& p, int64_t r0, int64_t o0) {
   const float* x = p.x + r0 * p.in;
   const int8_t* q = p.q + o0 * p.in;
   const float* scales = p.scales + o0 * ng;
-  const int64_t ahead = kOutBlock * p.in, ahead_scales = kOutBlock * ng;  // the same place in the next block
+  const int64_t ahead = p.ahead * p.in, ahead_scales = p.ahead * ng;  // the same place p.ahead rows on
   __m512 total[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) total[r][b] = _mm512_setzero_ps();
@@ -338,17 +340,27 @@ struct Avx512 {
 
 // Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py):
 // "int16" (the default: int16 activations wherever the group is a multiple of kStep), "float" (float32
-// activations, one weight row streaming at a time) or "float4" (AVX-512 only: four interleaved weight rows
-// with software prefetch, the layout before int16 reached AVX-512). Anything else is "int16".
-enum class Path { kInt16, kFloat, kFloat4 };
+// activations, one weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight
+// interleaved weight rows with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Anything else
+// is "int16".
+enum class Path { kInt16, kFloat, kFloat4, kFloat8 };
 Path path() {
   static const Path chosen = [] {
     const char* env = std::getenv("MVLLM_INT8_PATH");
     const std::string v = env ? env : "";
-    return v == "float" ? Path::kFloat : v == "float4" ? Path::kFloat4 : Path::kInt16;
+    return v == "float" ? Path::kFloat : v == "float4" ? Path::kFloat4 : v == "float8" ? Path::kFloat8 : Path::kInt16;
   }();
   return chosen;
 }
+int64_t ahead_blocks() {
+  static const int64_t n = [] {
+    const char* env = std::getenv("MVLLM_INT8_AHEAD");
+    const int64_t v = env ? std::atoll(env) : 1;
+    return std::clamp<int64_t>(v, 1, 16);
+  }();
+  return n;
+}
+bool interleaved() { return path() == Path::kFloat4 || path() == Path::kFloat8; }
 bool int16_rows(int64_t group) { return path() == Path::kInt16 && group % kStep == 0; }
 
 // The path a call with this group size takes, and its instructions: what the profile records.
@@ -367,7 +379,10 @@ std::string path_name(int64_t group) {
 #endif
   }
 #if defined(__AVX512F__)
-  if (group % 16 == 0) return path() == Path::kFloat4 ? "float4 (AVX-512, 4 interleaved rows)" : "float (AVX-512)";
+  if (group % 16 == 0 && interleaved())
+    return std::string(path() == Path::kFloat8 ? "float8 (AVX-512, 8" : "float4 (AVX-512, 4") +
+           " interleaved rows, prefetch " + std::to_string(ahead_blocks()) + " block(s) ahead)";
+  if (group % 16 == 0) return "float (AVX-512)";
 #endif
   return "float (vector extensions)";
 }
@@ -394,7 +409,7 @@ void tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 
 #if defined(__AVX512F__)
 // block_avx512<R, B> for the runtime row count; R up to kMaxRows(B) keeps all accumulators in registers.
-constexpr int kMaxRows(int B) { return B >= 4 ? 4 : 8; }
+constexpr int kMaxRows(int B) { return B >= 8 ? 2 : B >= 4 ? 4 : 8; }
 
 template <int B, int R = 1>
 void block_rows(const Problem& p, int64_t r0, int64_t rows, int64_t o0) {
@@ -404,10 +419,14 @@ void block_rows(const Problem& p, int64_t r0, int64_t rows, int64_t o0) {
   }
 }
 
-void block_float4(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (outs == kOutBlock && rows <= kMaxRows(4)) return block_rows<4>(p, r0, rows, o0);
-  for (int64_t o = o0; o + 2 <= o0 + outs; o += 2) block_rows<2>(p, r0, rows, o);
-  if (outs % 2) block_rows<1>(p, r0, rows, o0 + outs - 1);
+// p.block (4 or 8) interleaved weight rows at once where their accumulators fit in registers, else 4, 2 and 1.
+void block_interleaved(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
+  if (outs == 8 && rows <= kMaxRows(8)) return block_rows<8>(p, r0, rows, o0);
+  int64_t o = o0;
+  if (rows <= kMaxRows(4))
+    for (; o + 4 <= o0 + outs; o += 4) block_rows<4>(p, r0, rows, o);
+  for (; o + 2 <= o0 + outs; o += 2) block_rows<2>(p, r0, rows, o);
+  if (o < o0 + outs) block_rows<1>(p, r0, rows, o);
 }
 #endif
 
@@ -415,7 +434,7 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
 #if defined(__AVX512F__)
   if (p.group % 16 == 0)
-    return path() == Path::kFloat4 ? block_float4(p, r0, rows, o0, outs) : tiles<Avx512>(p, r0, rows, o0, outs);
+    return interleaved() ? block_interleaved(p, r0, rows, o0, outs) : tiles<Avx512>(p, r0, rows, o0, outs);
 #endif
   tiles<Float>(p, r0, rows, o0, outs);
 }
@@ -427,11 +446,11 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 // accumulation order of y[r, o] depends only on the input size, so a request's result does not depend on
 // what shares its batch (batch-invariant).
 void run(const Problem& p) {
-  const int64_t blocks = (p.out + kOutBlock - 1) / kOutBlock;
-  at::parallel_for(0, blocks, kGrainOuts / kOutBlock, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (p.out + p.block - 1) / p.block;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainOuts / p.block), [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += kRowTile)
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t o0 = b * kOutBlock, outs = std::min(kOutBlock, p.out - o0);
+        const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
         block(p, r0, std::min(kRowTile, p.rows - r0), o0, outs);
       }
   });
@@ -459,6 +478,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::Tensor y = at::empty({rows, out}, x.options());
   Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
+  if (path() == Path::kFloat8) p.block = 8;
+  p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs;
   if (int16_rows(p.group)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
