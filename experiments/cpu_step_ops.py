@@ -3,6 +3,7 @@ and the table gives each op's self time per step (mvllm's int8 and fused kernels
 sum, and the step's wall time; what is left is Python and dispatch between the ops.
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
+        [--python-loop]
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=516)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--quant", default=None)
+    ap.add_argument("--python-loop", action="store_true", help="int8w: the layers from Python, not csrc/layers.cpp")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.python_loop:
+        from mvllm.kernels import cpu_layers
+
+        cpu_layers.ENABLED = False
     engine = Engine(EngineConfig(model=a.model, device="cpu", threads=a.threads, quant=a.quant,
                                  max_active=max(4, a.batch)))
     params = SamplingParams(max_tokens=3 * a.steps + 8 + a.batch * a.context // 64, temperature=0.0,

@@ -26,7 +26,7 @@ from torch import nn
 
 from mvllm import machine
 from mvllm.errors import InvalidRequestError
-from mvllm.kernels import cpu_int8
+from mvllm.kernels import cpu_int8, cpu_layers
 from mvllm.model.decoder import Decoder
 
 QUANTS = ("none", "int8w", "int8-lossy")
@@ -196,6 +196,7 @@ def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: 
     _untie(model)
     if quant == "int8w":
         _swap(model, bool(batch_invariant))
+        model.cpu_layers = cpu_layers.Layers.of(model, cpu_layers.UNLIMITED if batch_invariant else PACKED_MAX_ROWS)
         return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

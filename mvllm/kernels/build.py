@@ -75,6 +75,7 @@ class Kernel:
 KERNELS = {
     "mvllm_fused": Kernel("fused", "the fused CPU kernels", "using plain PyTorch ops"),
     "mvllm_int8_linear": Kernel("int8", "the int8 CPU kernel", "quant=int8w does not run here"),
+    "mvllm_layers": Kernel("layers", "the CPU layer loop", "the layers run from Python"),
 }
 
 

@@ -7,10 +7,11 @@ build fails it returns False and `why_unavailable` says why (one line: the compi
 `int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
 `build_info()`: build.status("int8"), the flags it built with and whether with OpenMP, or its error.
 
-By default each activation row is rounded to int16 once per call (one scale per row) and the kernel sums
-int16 x int8 products exactly in int32 per group: AVX-512 VNNI (vpdpwssd), AVX2, NEON or plain loops, so it
-builds on any CPU, and quant.cpu_mode picks int8w wherever it builds. MVLLM_INT8_PATH=float (or float4 on
-AVX-512, the interleaved layout before) keeps float32 activations, for same-run comparisons. On SmolLM2's real weights the portable path keeps mean KL 0.0010, top-1 97.8% against float32 (a
+Without AVX-512 each activation row is rounded to int16 once per call (one scale per row) and the kernel sums
+int16 x int8 products exactly in int32 per group (AVX2, NEON or plain loops), so it builds on any CPU, and
+quant.cpu_mode picks int8w wherever it builds. With AVX-512 it keeps float32 activations and streams four
+interleaved weight rows with software prefetch, which beat int16 (VNNI vpdpwssd) there in one run.
+MVLLM_INT8_PATH=int16|float|float4|float8 forces a path, for same-run comparisons (csrc/int8_linear.cpp). On SmolLM2's real weights the portable path keeps mean KL 0.0010, top-1 97.8% against float32 (a
 2-vCPU AVX2 machine; results/profile/dev2core-int16-accuracy.json).
 """
 

@@ -3,7 +3,9 @@
 One layer is nine calls: residual add + RMSNorm, QKV projection, RoPE + KV-cache write, attention read
 straight from the paged cache through the block table (no copy of the context), O projection, residual add +
 RMSNorm, gate/up projection, SiLU * up, down projection. Same arithmetic as Decoder.forward, fewer ops:
-on a CPU most of a decode step was per-op overhead and context copies, not matrix work.
+on a CPU most of a decode step was per-op overhead and context copies, not matrix work. An int8w model
+(engine/quant.py) carries `cpu_layers`: the same loop in C++ (kernels/cpu_layers.py), for the batch sizes where
+every linear takes the int8 kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, caches: lis
     cfg = model.cfg
     x = model.embed_tokens(input_ids)
     cos, sin = model.rotary.cos[positions], model.rotary.sin[positions]
+    layers = getattr(model, "cpu_layers", None)
+    if layers is not None and layers.serves(x.shape[0]):
+        return layers.forward(model, x, cos, sin, caches, meta)
     residual = None
     for layer, cache in zip(model.layers, caches):
         attn, mlp = layer.self_attn, layer.mlp

@@ -338,17 +338,26 @@ struct Avx512 {
 };
 #endif
 
-// Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py):
-// "int16" (the default: int16 activations wherever the group is a multiple of kStep), "float" (float32
-// activations, one weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight
-// interleaved weight rows with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Anything else
-// is "int16".
+// Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py --paths):
+// "int16" (int16 activations wherever the group is a multiple of kStep), "float" (float32 activations, one
+// weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight interleaved weight rows
+// with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Unset or anything else: the default,
+// float4 with AVX-512 (on the H200 machine's Xeon, 0.84-0.94x int16's time and ahead of the single stream in
+// one run: experiments/cpu_int8_speed.py --paths), int16 elsewhere (on the AVX2 machine 0.72-0.78x float's).
 enum class Path { kInt16, kFloat, kFloat4, kFloat8 };
 Path path() {
   static const Path chosen = [] {
     const char* env = std::getenv("MVLLM_INT8_PATH");
     const std::string v = env ? env : "";
-    return v == "float" ? Path::kFloat : v == "float4" ? Path::kFloat4 : v == "float8" ? Path::kFloat8 : Path::kInt16;
+    if (v == "int16") return Path::kInt16;
+    if (v == "float") return Path::kFloat;
+    if (v == "float4") return Path::kFloat4;
+    if (v == "float8") return Path::kFloat8;
+#if defined(__AVX512F__)
+    return Path::kFloat4;
+#else
+    return Path::kInt16;
+#endif
   }();
   return chosen;
 }

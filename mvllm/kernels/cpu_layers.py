@@ -1,0 +1,73 @@
+"""The int8w decoder's layer loop in C++ (csrc/layers.cpp): the same fused and int8 ops as
+model/cpu_forward.py's Python loop, in the same order, called from C++ through the dispatcher, so a decode
+step pays no Python between its ~220 ops. Results are bitwise those of the Python loop (tests/test_cpu_layers.py).
+
+`Layers.of(model, max_rows)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs
+them for batches of at most `max_rows` tokens (where every linear takes the int8 kernel: above it the
+Int8Linear modules take their GEMM, in Python). Built on first use and cached like the other kernels;
+`available()` never raises, and without the build the Python loop runs. ENABLED = False forces the Python
+loop (for same-run comparisons: experiments/cpu_step_ops.py --python-loop).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from mvllm.kernels import build, cpu_fused, cpu_int8
+
+ENABLED = True
+why_unavailable = ""
+_op = None
+
+
+def _load():
+    if not (cpu_fused.available() and cpu_int8.available()):
+        raise RuntimeError("the fused or int8 CPU kernels did not build")
+    build.build("mvllm_layers", "layers.cpp")
+    return torch.ops.mvllm_layers.decode_layers
+
+
+@functools.cache
+def available() -> bool:
+    global _op, why_unavailable
+    _op, why_unavailable = build.attempt(_load)
+    return _op is not None
+
+
+class Layers:
+    """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve."""
+
+    def __init__(self, weights: list[torch.Tensor | None], max_rows: float):
+        self.weights, self.max_rows = weights, max_rows
+
+    @classmethod
+    def of(cls, model, max_rows: float) -> Layers | None:
+        """None where a layer's linears are not all int8 (q, scales, bias) modules."""
+        weights = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(hasattr(m, "q") and hasattr(m, "scales") for m in linears):
+                return None
+            if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+                return None
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.q, attn.qkv_proj.scales, attn.qkv_proj.bias,
+                        attn.o_proj.q, attn.o_proj.scales, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.q, mlp.gate_up_proj.scales, mlp.down_proj.q, mlp.down_proj.scales]
+        return cls([w.detach() if w is not None else None for w in weights], max_rows)
+
+    def serves(self, rows: int) -> bool:
+        return ENABLED and rows <= self.max_rows and available()
+
+    def forward(self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
+                meta) -> torch.Tensor:
+        cfg, attn = model.cfg, model.layers[0].self_attn
+        return _op(x, self.weights, caches, model.norm.weight.detach(), cos, sin, meta.slot_mapping,
+                   meta.block_index, meta.token_seq, meta.key_len, meta.block_size, attn.scale, attn.heads,
+                   attn.kv_heads, cfg.rms_norm_eps)
+
+
+UNLIMITED = math.inf

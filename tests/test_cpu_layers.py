@@ -1,0 +1,66 @@
+"""The int8w layer loop in C++ (kernels/cpu_layers.py) against the Python loop of model/cpu_forward.py: the same
+ops in the same order, so the hidden states are bitwise equal, and the KV caches they write too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mvllm.engine.engine import Engine, EngineConfig
+from mvllm.engine.params import SamplingParams
+from mvllm.kernels import cpu_layers
+from tests.test_batch_invariant import hidden_rows
+
+pytestmark = pytest.mark.skipif(not cpu_layers.available(), reason=f"no C++ layer loop here: "
+                                f"{cpu_layers.why_unavailable}")
+
+
+def engine(model: str, invariant: bool = False) -> Engine:
+    return Engine(EngineConfig(model=model, quant="int8w", batch_invariant=invariant, threads=2, num_blocks=64))
+
+
+def python_loop(fn):
+    cpu_layers.ENABLED = False
+    try:
+        return fn()
+    finally:
+        cpu_layers.ENABLED = True
+
+
+@pytest.mark.parametrize("model", ["synthetic:tiny-qwen2", "synthetic:tiny-llama"])  # QKV bias and none
+def test_hidden_states_and_cache_match_the_python_loop(model):
+    e = engine(model)
+    assert e.model.cpu_layers is not None and e.model.cpu_layers.serves(8)
+    a = [(5 * k) % 400 + 1 for k in range(21)]
+    b = [(3 * k) % 400 + 2 for k in range(9)]
+    batch = [(a, 20), (b, 5)]  # 1 + 4 rows: decode-sized, through the kernel
+    for cache in e.runner.caches:
+        cache.zero_()
+    fast = hidden_rows(e, batch)
+    fast_cache = [c.clone() for c in e.runner.caches]
+    for cache in e.runner.caches:
+        cache.zero_()
+    slow = python_loop(lambda: hidden_rows(e, batch))
+    for f, s in zip(fast, slow):
+        assert torch.equal(f, s)
+    for f, s in zip(fast_cache, e.runner.caches):
+        assert torch.equal(f, s)
+
+
+def test_prefill_above_the_kernel_rows_takes_the_python_loop():
+    """Without batch_invariant, more than PACKED_MAX_ROWS tokens go to the GEMM (in Python); invariant, every
+    batch size takes the C++ loop."""
+    assert not engine("synthetic:tiny-qwen2").model.cpu_layers.serves(9)
+    assert engine("synthetic:tiny-qwen2", invariant=True).model.cpu_layers.serves(500)
+
+
+def test_greedy_tokens_match_the_python_loop():
+    def run():
+        e = engine("synthetic:tiny-qwen2")
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        seqs = [e.add_request([(7 * r + 3 * k) % 500 + 1 for k in range(5 + 11 * r)], params) for r in range(3)]
+        while e.has_unfinished():
+            e.step()
+        return [s.output_ids for s in seqs]
+
+    assert run() == python_loop(run)
