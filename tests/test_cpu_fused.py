@@ -174,3 +174,15 @@ def test_silu_mul(tokens, inter):
     torch.manual_seed(inter)
     gate_up = torch.randn(tokens, 2 * inter) * 4
     close(cpu_fused.silu_mul(gate_up), cpu_fused.reference_silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 151936])
+def test_argmax_matches_torch(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=gen)
+    x[0] = float("-inf")  # all -inf: index 0
+    x[1] = 0.0  # ties: the first index
+    x[2, n // 2] = float("inf")
+    x[3, -1] = x[3].max() + 1  # the largest at the end (the scalar tail)
+    x[4, (2 * n) // 3] = float("nan")  # a NaN counts as the largest
+    assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))

@@ -115,7 +115,7 @@ class ModelRunner:
         takes: a CUDA graph (or the compiled step) where one fits, else eagerly. Steps of up to HEAD_ROWS
         tokens ran the LM head and the argmax in their graph: their logits are in the model's dtype, with the
         argmax; elsewhere the LM head runs here, on those rows only (a prefill's other tokens need none), in
-        float32 and without an argmax. `fill`: (rows, ids) on the device, written over the token ids of those
+        float32, with an argmax only on the fused CPU path (cpu_fused.argmax). `fill`: (rows, ids) on the device, written over the token ids of those
         rows (the PENDING ones) before the step runs."""
         key = self.graphs.bucket(spans) if self.graphs else None
         if key is None:
@@ -125,7 +125,8 @@ class ModelRunner:
             if key[0] <= HEAD_ROWS:
                 g, n = self.graphs, len(hidden)
                 return (g.logits[:n], g.tokens[:n]) if rows is None else (g.logits[rows], g.tokens[rows])
-        return self.model.logits(hidden if rows is None else hidden[rows]), None
+        logits = self.model.logits(hidden if rows is None else hidden[rows])
+        return logits, (cpu_fused.argmax(logits) if self.fused else None)  # torch's CPU argmax is scalar code
 
     def forward(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None) -> torch.Tensor:
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]

@@ -15,6 +15,8 @@ Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
 - paged_attention(q [T, heads, D], cache, block_table int32/int64 [B, max_blocks], seq_of_token int64 [T],
   key_len int64 [T], block_size, scale) -> [T, heads * D]
 - silu_mul(gate_up [T, 2 * I]) -> [T, I]
+- argmax(x [rows, n]) -> int64 [rows]: torch.argmax(x, -1) (first index of the largest; a NaN counts as
+  largest), in vector code: torch's took 400 us for one 151,936-entry row on the 2-vCPU AVX2 machine
 """
 
 from __future__ import annotations
@@ -93,6 +95,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not available():
         return reference_silu_mul(gate_up)
     return _ops.silu_mul(gate_up)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of float32 logits [rows, n]."""
+    if not available():
+        return x.argmax(dim=-1)
+    return _ops.argmax(x.contiguous())
 
 
 # ---- reference versions: plain torch, the semantics the kernels implement ----
