@@ -94,9 +94,10 @@ void block_avx512(const Problem& p, int64_t r0, int64_t o0) {
 #endif
 
 // Portable path, in GCC/Clang vector extensions (AVX2 or SSE on x86, NEON on aarch64): rows [r0, r0 + R) x
-// outputs [o0, o0 + B). Each 16 weights are converted and scaled once (w = q * s, as the AVX-512 path does)
-// and applied to all R rows in R x B x 2 accumulators of 8 lanes. A group's inputs past its last multiple of
-// 16 are summed one by one. Without AVX-512 it runs only where the group is not a multiple of 16 (else block_int).
+// output o. Each 16 weights are converted and scaled once (w = q * s, as the AVX-512 path does) and applied
+// to all R rows in R x 2 accumulators of 8 lanes. A group's inputs past its last multiple of
+// 16 are summed one by one. Without AVX-512 it runs where the group is not a multiple of 16 (else block_int), or
+// with MVLLM_INT8_PATH=float.
 using f32x8 = float __attribute__((vector_size(32)));
 
 inline f32x8 load8(const float* p) {
@@ -148,43 +149,34 @@ inline f32x8 weights8(const int8_t* q, float s) {
   return v * s;
 }
 
-template <int R, int B>
-void block_portable(const Problem& p, int64_t r0, int64_t o0) {
+template <int R>
+void block_portable(const Problem& p, int64_t r0, int64_t o) {
   const int64_t ng = p.groups();
   const float* x = p.x + r0 * p.in;
-  f32x8 total[R][B][2] = {};
-  float tail[R][B] = {};
+  const int8_t* q = p.q + o * p.in;
+  const float* sc = p.scales + o * ng;
+  f32x8 total[R][2] = {};
+  float tail[R] = {};
   for (int64_t g = 0; g < ng; ++g) {
     const int64_t start = g * p.group, end = start + p.group, full = start + p.group / 16 * 16;
     for (int64_t i = start; i < full; i += 16) {
-      f32x8 w[B][2];
-      for (int b = 0; b < B; ++b) {
-        const float s = p.scales[(o0 + b) * ng + g];
-        const int8_t* q = p.q + (o0 + b) * p.in + i;
-        w[b][0] = weights8(q, s);
-        w[b][1] = weights8(q + 8, s);
-      }
+      const f32x8 w0 = weights8(q + i, sc[g]), w1 = weights8(q + i + 8, sc[g]);
       for (int r = 0; r < R; ++r) {
-        const f32x8 lo = load8(x + r * p.in + i), hi = load8(x + r * p.in + i + 8);
-        for (int b = 0; b < B; ++b) {
-          total[r][b][0] = fma8(lo, w[b][0], total[r][b][0]);
-          total[r][b][1] = fma8(hi, w[b][1], total[r][b][1]);
-        }
+        total[r][0] = fma8(load8(x + r * p.in + i), w0, total[r][0]);
+        total[r][1] = fma8(load8(x + r * p.in + i + 8), w1, total[r][1]);
       }
     }
-    for (int64_t i = full; i < end; ++i)
-      for (int b = 0; b < B; ++b) {
-        const float w = static_cast<float>(p.q[(o0 + b) * p.in + i]) * p.scales[(o0 + b) * ng + g];
-        for (int r = 0; r < R; ++r) tail[r][b] = std::fma(x[r * p.in + i], w, tail[r][b]);
-      }
+    for (int64_t i = full; i < end; ++i) {
+      const float w = static_cast<float>(q[i]) * sc[g];
+      for (int r = 0; r < R; ++r) tail[r] = std::fma(x[r * p.in + i], w, tail[r]);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      const f32x8 v = total[r][b][0] + total[r][b][1];
-      float sum = tail[r][b];
-      for (int l = 0; l < 8; ++l) sum += v[l];
-      p.y[(r0 + r) * p.out + o0 + b] = finish(p, o0 + b, sum);
-    }
+  for (int r = 0; r < R; ++r) {
+    const f32x8 v = total[r][0] + total[r][1];
+    float sum = tail[r];
+    for (int l = 0; l < 8; ++l) sum += v[l];
+    p.y[(r0 + r) * p.out + o] = finish(p, o, sum);
+  }
 }
 
 // int8 weights x int16 activations, summed exactly in int32 per group. Each row of x is quantized once per
@@ -263,40 +255,33 @@ inline i32v madd16(i32v acc, const W16& w, const int16_t* x) {
 inline f32v to_float(i32v v) { return __builtin_convertvector(v, f32v); }
 constexpr int kLanes = sizeof(f32v) / sizeof(float);
 
-// Rows [r0, r0 + R) x outputs [o0, o0 + B); the group is a multiple of kStep (G: it, known when compiled; 0: p.group).
+// Rows [r0, r0 + R) x output o; the group is a multiple of kStep (G: it, known when compiled; 0: p.group).
 // Two float accumulators, for even and odd groups, halve the FMA chain a row's groups wait on.
-template <int R, int B, int G>
-void block_int(const Problem& p, int64_t r0, int64_t o0) {
+template <int R, int G>
+void block_int(const Problem& p, int64_t r0, int64_t o) {
   const int64_t ng = p.groups(), group = G ? G : p.group;
-  const int8_t* q[B];
-  const float* sc[B];
-  for (int b = 0; b < B; ++b) q[b] = p.q + (o0 + b) * p.in, sc[b] = p.scales + (o0 + b) * ng;
+  const int8_t* q = p.q + o * p.in;
+  const float* sc = p.scales + o * ng;
   const int16_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
-  f32v total[2][R][B] = {};
+  f32v total[2][R] = {};
   for (int64_t g = 0; g < ng; ++g) {
-    i32v acc[R][B] = {};
+    i32v acc[R] = {};
     for (int64_t k = 0; k < group; k += kStep) {
-      W16 w[B];
-      for (int b = 0; b < B; ++b) w[b] = widen16(q[b] + k);
-      for (int r = 0; r < R; ++r)
-        for (int b = 0; b < B; ++b) acc[r][b] = madd16(acc[r][b], w[b], x[r] + k);
+      const W16 w = widen16(q + k);
+      for (int r = 0; r < R; ++r) acc[r] = madd16(acc[r], w, x[r] + k);
     }
-    for (int b = 0; b < B; ++b) {
-      const float s = sc[b][g];
-      const f32v sv = f32v{} + s;
-      for (int r = 0; r < R; ++r) total[g & 1][r][b] = fmav(to_float(acc[r][b]), sv, total[g & 1][r][b]);
-      q[b] += group;
-    }
+    const f32v sv = f32v{} + sc[g];
+    for (int r = 0; r < R; ++r) total[g & 1][r] = fmav(to_float(acc[r]), sv, total[g & 1][r]);
+    q += group;
     for (int r = 0; r < R; ++r) x[r] += group;
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      const f32v v = total[0][r][b] + total[1][r][b];
-      float sum = 0.f;
-      for (int l = 0; l < kLanes; ++l) sum += v[l];
-      p.y[(r0 + r) * p.out + o0 + b] = finish(p, o0 + b, sum * p.xs[r0 + r]);
-    }
+  for (int r = 0; r < R; ++r) {
+    const f32v v = total[0][r] + total[1][r];
+    float sum = 0.f;
+    for (int l = 0; l < kLanes; ++l) sum += v[l];
+    p.y[(r0 + r) * p.out + o] = finish(p, o, sum * p.xs[r0 + r]);
+  }
 }
 
 // x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
@@ -322,20 +307,21 @@ void quantize_rows(const Problem& p, int16_t* xq, float* xs, int64_t begin, int6
   }
 }
 
-template <int R, int B>
+// One output row o for R activation rows from r0, by each path.
+template <int R>
 struct Float {
-  static void run(const Problem& p, int64_t r0, int64_t o0) { block_portable<R, B>(p, r0, o0); }
+  static void run(const Problem& p, int64_t r0, int64_t o) { block_portable<R>(p, r0, o); }
 };
-template <int R, int B>
+template <int R>
 struct Int {
-  static void run(const Problem& p, int64_t r0, int64_t o0) {
-    p.group == 32 ? block_int<R, B, 32>(p, r0, o0) : block_int<R, B, 0>(p, r0, o0);
+  static void run(const Problem& p, int64_t r0, int64_t o) {
+    p.group == 32 ? block_int<R, 32>(p, r0, o) : block_int<R, 0>(p, r0, o);
   }
 };
 #if defined(__AVX512F__)
-template <int R, int B>
+template <int R>
 struct Avx512 {
-  static void run(const Problem& p, int64_t r0, int64_t o0) { block_avx512<R, B>(p, r0, o0); }
+  static void run(const Problem& p, int64_t r0, int64_t o) { block_avx512<R, 1>(p, r0, o); }
 };
 #endif
 
@@ -400,17 +386,17 @@ std::string path_name(int64_t group) {
 // Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, one output at a time in tiles of 4, 2 or 1
 // rows through kernel K (block_portable, float32 activations; or block_int): one weight row streams at a time,
 // which the hardware prefetcher follows (on the AVX2 machine, 4 interleaved rows ran at 7.5 GB/s, 1 at 11.6).
-template <template <int, int> class K>
+template <template <int> class K>
 void tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   for (int64_t r = r0; r < r0 + rows;) {
     const int64_t left = r0 + rows - r;
     for (int64_t o = o0; o < o0 + outs; ++o) {
       if (left >= 4) {
-        K<4, 1>::run(p, r, o);
+        K<4>::run(p, r, o);
       } else if (left >= 2) {
-        K<2, 1>::run(p, r, o);
+        K<2>::run(p, r, o);
       } else {
-        K<1, 1>::run(p, r, o);
+        K<1>::run(p, r, o);
       }
     }
     r += left >= 4 ? 4 : left >= 2 ? 2 : 1;
