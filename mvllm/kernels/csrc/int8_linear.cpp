@@ -383,7 +383,7 @@ std::string path_name(int64_t group) {
   return "float (vector extensions)";
 }
 
-// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= kOutBlock, one output at a time in tiles of 4, 2 or 1
+// Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= p.block, one output at a time in tiles of 4, 2 or 1
 // rows through kernel K (block_portable, float32 activations; or block_int): one weight row streams at a time,
 // which the hardware prefetcher follows (on the AVX2 machine, 4 interleaved rows ran at 7.5 GB/s, 1 at 11.6).
 template <template <int> class K>
