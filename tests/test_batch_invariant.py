@@ -83,4 +83,3 @@ def test_the_setting_is_parsed_and_checked():
         parse_backends("cpu=cpu/batch_invariant=yes")
     with pytest.raises(InvalidRequestError, match="batch_invariant=on is a setting of quant=int8w"):
         Engine(EngineConfig(model="synthetic:tiny-qwen2", dtype="float32", batch_invariant=True))
-

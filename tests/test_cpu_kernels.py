@@ -169,5 +169,6 @@ def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     if not name:
         name = "float4" if "AVX-512" in named else "int16"
     assert named.startswith(name), named
+    assert ("is not one of int16, float, float4, float8" in done.stderr) == (path == "nonsense"), done.stderr
     if path in ("float4", "float8"):
         assert (path in named) == ("AVX-512" in named), named

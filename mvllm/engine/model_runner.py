@@ -115,8 +115,8 @@ class ModelRunner:
         takes: a CUDA graph (or the compiled step) where one fits, else eagerly. Steps of up to HEAD_ROWS
         tokens ran the LM head and the argmax in their graph: their logits are in the model's dtype, with the
         argmax; elsewhere the LM head runs here, on those rows only (a prefill's other tokens need none), in
-        float32, with an argmax only on the fused CPU path (cpu_fused.argmax). `fill`: (rows, ids) on the device, written over the token ids of those
-        rows (the PENDING ones) before the step runs."""
+        float32, with an argmax only on the fused CPU path (cpu_fused.argmax). `fill`: (rows, ids) on the
+        device, written over the token ids of those rows (the PENDING ones) before the step runs."""
         key = self.graphs.bucket(spans) if self.graphs else None
         if key is None:
             hidden = self.forward(seqs, spans, fill)

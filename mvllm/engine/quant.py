@@ -19,6 +19,7 @@ bfloat16 where oneDNN has native bf16 (x86 with AVX-512 BF16 or AMX), else float
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import torch
@@ -48,13 +49,14 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = None  # invariant: every row through the kernel, no de-quantized copy
+        self.kernel_rows = math.inf if invariant else PACKED_MAX_ROWS  # batches up to this size take the kernel
         if not invariant:
             self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
             self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.gemm is None or rows.shape[0] <= PACKED_MAX_ROWS:
+        if rows.shape[0] <= self.kernel_rows:
             y = cpu_int8.int8_linear(rows, self.q, self.scales, self.bias, check=False)
         else:
             y = self.gemm(rows.to(self.wide)).float()
@@ -196,7 +198,7 @@ def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: 
     _untie(model)
     if quant == "int8w":
         _swap(model, bool(batch_invariant))
-        model.cpu_layers = cpu_layers.Layers.of(model, cpu_layers.UNLIMITED if batch_invariant else PACKED_MAX_ROWS)
+        model.cpu_layers = cpu_layers.Layers.of(model)
         return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,13 +11,16 @@ Without AVX-512 each activation row is rounded to int16 once per call (one scale
 int16 x int8 products exactly in int32 per group (AVX2, NEON or plain loops), so it builds on any CPU, and
 quant.cpu_mode picks int8w wherever it builds. With AVX-512 it keeps float32 activations and streams four
 interleaved weight rows with software prefetch, which beat int16 (VNNI vpdpwssd) there in one run.
-MVLLM_INT8_PATH=int16|float|float4|float8 forces a path, for same-run comparisons (csrc/int8_linear.cpp). On SmolLM2's real weights the portable path keeps mean KL 0.0010, top-1 97.8% against float32 (a
-2-vCPU AVX2 machine; results/profile/dev2core-int16-accuracy.json).
+MVLLM_INT8_PATH=int16|float|float4|float8 forces a path, for same-run comparisons (csrc/int8_linear.cpp; any
+other value: one line on stderr, and the default). On SmolLM2's real weights the int16 path keeps mean KL
+0.0010, top-1 97.8% against float32 (a 2-vCPU AVX2 machine; results/profile/dev2core-int16-accuracy.json).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 
@@ -48,7 +51,14 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(out, groups, inputs // groups) * scales[..., None]).reshape(out, inputs)
 
 
+PATHS = ("int16", "float", "float4", "float8")
+
+
 def _load():
+    asked = os.environ.get("MVLLM_INT8_PATH")
+    if asked and asked not in PATHS:
+        print(f"mvllm: MVLLM_INT8_PATH={asked!r} is not one of {', '.join(PATHS)}; the int8 kernel takes its "
+              "default path", file=sys.stderr, flush=True)
     build.build("mvllm_int8_linear", "int8_linear.cpp")
     return torch.ops.mvllm_int8.int8_linear
 

@@ -2,9 +2,9 @@
 model/cpu_forward.py's Python loop, in the same order, called from C++ through the dispatcher, so a decode
 step pays no Python between its ~220 ops. Results are bitwise those of the Python loop (tests/test_cpu_layers.py).
 
-`Layers.of(model, max_rows)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs
-them for batches of at most `max_rows` tokens (where every linear takes the int8 kernel: above it the
-Int8Linear modules take their GEMM, in Python). Built on first use and cached like the other kernels;
+`Layers.of(model)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs them for
+batches of at most `max_rows` tokens, the smallest `kernel_rows` of the model's int8 linears (above it an
+Int8Linear takes its GEMM, in Python). Built on first use and cached like the other kernels;
 `available()` never raises, and without the build the Python loop runs. ENABLED = False forces the Python
 loop (for same-run comparisons: experiments/cpu_step_ops.py --python-loop).
 """
@@ -12,7 +12,6 @@ loop (for same-run comparisons: experiments/cpu_step_ops.py --python-loop).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -40,24 +39,25 @@ def available() -> bool:
 class Layers:
     """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve."""
 
-    def __init__(self, weights: list[torch.Tensor | None], max_rows: float):
-        self.weights, self.max_rows = weights, max_rows
+    def __init__(self, weights: list[torch.Tensor | None], final_norm: torch.Tensor, max_rows: float):
+        self.weights, self.final_norm, self.max_rows = weights, final_norm, max_rows
 
     @classmethod
-    def of(cls, model, max_rows: float) -> Layers | None:
-        """None where a layer's linears are not all int8 (q, scales, bias) modules."""
-        weights = []
+    def of(cls, model) -> Layers | None:
+        """None where a layer's linears are not all int8 (q, scales, bias, kernel_rows) modules."""
+        weights, max_rows = [], float("inf")
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(hasattr(m, "q") and hasattr(m, "scales") for m in linears):
+            if not all(hasattr(m, "q") and hasattr(m, "kernel_rows") for m in linears):
                 return None
+            max_rows = min(max_rows, *(m.kernel_rows for m in linears))
             if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
             weights += [layer.input_layernorm.weight, attn.qkv_proj.q, attn.qkv_proj.scales, attn.qkv_proj.bias,
                         attn.o_proj.q, attn.o_proj.scales, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.q, mlp.gate_up_proj.scales, mlp.down_proj.q, mlp.down_proj.scales]
-        return cls([w.detach() if w is not None else None for w in weights], max_rows)
+        return cls([w.detach() if w is not None else None for w in weights], model.norm.weight.detach(), max_rows)
 
     def serves(self, rows: int) -> bool:
         return ENABLED and rows <= self.max_rows and available()
@@ -65,9 +65,7 @@ class Layers:
     def forward(self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
                 meta) -> torch.Tensor:
         cfg, attn = model.cfg, model.layers[0].self_attn
-        return _op(x, self.weights, caches, model.norm.weight.detach(), cos, sin, meta.slot_mapping,
+        return _op(x, self.weights, caches, self.final_norm, cos, sin, meta.slot_mapping,
                    meta.block_index, meta.token_seq, meta.key_len, meta.block_size, attn.scale, attn.heads,
                    attn.kv_heads, cfg.rms_norm_eps)
 
-
-UNLIMITED = math.inf

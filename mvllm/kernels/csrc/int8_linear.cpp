@@ -356,7 +356,9 @@ int64_t ahead_blocks() {
   }();
   return n;
 }
+#if defined(__AVX512F__)
 bool interleaved() { return path() == Path::kFloat4 || path() == Path::kFloat8; }
+#endif
 bool int16_rows(int64_t group) { return path() == Path::kInt16 && group % kStep == 0; }
 
 // The path a call with this group size takes, and its instructions: what the profile records.
