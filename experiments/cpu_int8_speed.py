@@ -5,7 +5,10 @@ at 1 and 4 rows, the milliseconds of each and their ratio. --paths int16,float,f
 call, and prints each against the first.
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
-        [--paths int16,float] [--out FILE]
+        [--paths lanes,float4,int16] [--gemm] [--out FILE]
+
+--gemm also times the GEMM Int8Linear takes above its kernel rows (oneDNN bf16 on a de-quantized copy where
+this CPU has native bf16, else float32), at the same rows: where the kernel could take over (warm prefill).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mvllm import machine
+from mvllm.engine import quant
 from mvllm.kernels import cpu_int8
 from mvllm.model.presets import PRESETS
 
@@ -32,6 +36,16 @@ def shapes(model: str) -> tuple[list[tuple[int, int]], int, int]:
     h, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     qkv = (heads + 2 * cfg["num_key_value_heads"]) * (h // heads)
     return [(qkv, h), (h, h), (2 * i, h), (h, i)], cfg["num_hidden_layers"], cfg["vocab_size"]
+
+
+class Wide:
+    """quant.Int8Linear's GEMM above its kernel_rows: activations cast to its dtype, float32 out."""
+
+    def __init__(self, gemm, dtype):
+        self.gemm, self.dtype, self.in_features = gemm, dtype, gemm.in_features
+
+    def __call__(self, x):
+        return self.gemm(x.to(self.dtype)).float()
 
 
 def step_ms(fns, repeats: int) -> float:
@@ -52,6 +66,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--gemm", action="store_true",
+                    help="also time the GEMM int8w runs above quant.PACKED_MAX_ROWS rows (bf16 where native)")
     ap.add_argument("--paths", help="kernel paths to compare, one process each (MVLLM_INT8_PATH)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -66,18 +82,29 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, h) * 0.02]
     packed = [cpu_int8.quantize_weight(w) for w in weights]
+    if cpu_int8.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
+        packed = [cpu_int8.pack(q, s) for q, s in packed]
     nbytes = sum(q.numel() + 4 * s.numel() for q, s in packed)
+    gemms = []
+    if a.gemm:
+        wide = torch.bfloat16 if quant.packable(quant.CPU, torch.bfloat16) else torch.float32
+        gemms = [Wide(quant.dense(cpu_int8.dequantize(*cpu_int8.quantize_weight(w)).to(wide), None), wide)
+                 for w in weights]
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         f32 = [lambda w=w, xs=xs: F.linear(xs[w.shape[1]], w) for w in weights]
-        i8 = [lambda q=q, s=s, xs=xs: cpu_int8.int8_linear(xs[q.shape[1]], q, s, check=False) for q, s in packed]
+        i8 = [lambda q=q, s=s, w=w, xs=xs: cpu_int8.int8_linear(xs[w.shape[1]], q, s, check=False)
+              for (q, s), w in zip(packed, weights)]
         t32, t8 = step_ms(f32, a.repeats), step_ms(i8, a.repeats)
         row = {"rows": rows, "float32_ms": round(t32, 3), "int8w_ms": round(t8, 3),
                "float32_over_int8w": round(t32 / t8, 2), "int8w_GB_s": round(nbytes / t8 / 1e6, 1)}
+        if gemms:  # what Int8Linear runs above its kernel_rows
+            row["gemm_ms"] = round(step_ms([lambda g=g, xs=xs: g(xs[g.in_features]) for g in gemms], a.repeats), 3)
+            row["gemm_over_int8w"] = round(row["gemm_ms"] / t8, 2)
         rows_out.append(row)
         print(f"rows {rows}: float32 {t32:.2f} ms, int8w {t8:.2f} ms ({row['int8w_GB_s']} GB/s) a step's linears: "
-              f"int8w {t32 / t8:.2f}x")
+              f"int8w {t32 / t8:.2f}x" + (f"; GEMM {row['gemm_ms']:.2f} ms ({row['gemm_over_int8w']}x)" if gemms else ""))
     info = {"model": a.model, "threads": torch.get_num_threads(), "avx512": machine.avx512(),
             "path": cpu_int8.build_info().get("path"),
             "build": cpu_int8.build_info(), "rows": rows_out}
@@ -93,7 +120,8 @@ def compare(a) -> None:
     for path in a.paths.split(","):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--model", a.model, "--rows", a.rows, "--repeats", str(a.repeats),
-                   "--out", f.name] + (["--threads", str(a.threads)] if a.threads else [])
+                   "--out", f.name] + (["--threads", str(a.threads)] if a.threads else []) + \
+                  (["--gemm"] if a.gemm else [])
             name, _, ahead = path.partition(":")  # float4:2 = MVLLM_INT8_PATH=float4 MVLLM_INT8_AHEAD=2
             env = {**os.environ, "MVLLM_INT8_PATH": name, **({"MVLLM_INT8_AHEAD": ahead} if ahead else {})}
             print(f"MVLLM_INT8_PATH={name}" + (f" MVLLM_INT8_AHEAD={ahead}" if ahead else "") + ":", flush=True)
@@ -104,7 +132,7 @@ def compare(a) -> None:
         for row, base in zip(run["rows"], runs[first]["rows"]):
             row[f"over_{first}"] = round(row["int8w_ms"] / base["int8w_ms"], 3)
             print(f"rows {row['rows']}: {path} ({run['path']}) {row['int8w_ms']:.2f} ms, "
-                  f"{row[f'over_{first}']:.2f}x {first}'s")
+                  f"{row[f'over_{first}']:.2f}x {first}'s" + (f"; GEMM {row['gemm_ms']:.2f} ms" if "gemm_ms" in row else ""))
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"paths": runs}, f, indent=2, default=str)

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from mvllm import machine
 from mvllm.kernels import cpu_int8 as ck
 
 
@@ -138,37 +139,91 @@ def test_rounding_error_is_within_a_step_of_the_row(kernel):
     assert ((ck.int8_linear(x, q, scales).double() - x.double() @ w.T).abs() <= bound).all()
 
 
+@pytest.fixture(scope="module")
+def lanes(kernel):
+    if not ck.has_lanes():
+        pytest.skip("this build has no lanes kernel (it needs AVX2 or AVX-512BW)")
+
+
+def test_lanes_layout_round_trips_and_rejects_odd_outputs():
+    gen = torch.Generator().manual_seed(6)
+    q, scales = ck.quantize_weight(torch.randn(48, 96, generator=gen))
+    qp, sp = ck.pack(q, scales)
+    assert qp.shape == (3, 3, 16 * 32) and sp.shape == (3, 3, 16)
+    assert qp[1, 2, 2 * 16 + 2 * 5 + 1] == q[16 + 5, 2 * 32 + 3]  # input pair 1 of group 2, output 5, odd input
+    assert all(torch.equal(a, b) for a, b in zip(ck.unpack(qp, sp), (q, scales)))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ck.pack(*ck.quantize_weight(torch.randn(40, 96, generator=gen)))
+
+
+@pytest.mark.parametrize("out,inputs", [(64, 896), (1152, 896), (896, 4864), (32, 64)])
+def test_lanes_kernel_matches_and_is_batch_invariant(lanes, out, inputs):
+    """The lanes layout, whichever path is the default: every row count up to prefill sizes (tiles of rows beyond
+    the kernel's 4 or 8), against the reference at int16 activations' accuracy, and each row alone bitwise as in
+    its batch."""
+    gen = torch.Generator().manual_seed(out + inputs)
+    q, scales = ck.quantize_weight(torch.randn(out, inputs, generator=gen))
+    bias = torch.randn(out, generator=gen)
+    qp, sp = ck.pack(q, scales)
+    x = torch.randn(20, inputs, generator=gen)
+    y = ck.int8_linear(x, qp, sp, bias)
+    ref = reference(x, q, scales, bias)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for rows in (1, 2, 3, 5, 8, 9):
+        assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), y[:rows]), rows
+
+
+def test_lanes_integer_activations_are_exact(lanes):
+    gen = torch.Generator().manual_seed(3)
+    q, scales = ck.quantize_weight(torch.randn(64, 896, generator=gen))
+    x = torch.randint(-32767, 32768, (3, 896), generator=gen).float()
+    x[:, 5] = 32767.0
+    ref = reference(x, q, scales)
+    y = ck.int8_linear(x, *ck.pack(q, scales))
+    torch.testing.assert_close(y, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
+
+
+def test_lanes_layout_checks_its_input_size(lanes):
+    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)))
+    with pytest.raises(ValueError, match="inputs of 64 features"):
+        ck.int8_linear(torch.randn(1, 32), qp, sp)
+
+
 PATH_CHECK = textwrap.dedent("""
     import torch
     from mvllm.kernels import cpu_int8 as ck
     assert ck.available(), ck.why_unavailable
     gen = torch.Generator().manual_seed(5)
-    q, s = ck.quantize_weight(torch.randn(300, 896, generator=gen))
-    b = torch.randn(300, generator=gen)
+    q, s = ck.quantize_weight(torch.randn(304, 896, generator=gen))
+    b = torch.randn(304, generator=gen)
     x = torch.randn(7, 896, generator=gen)
-    y = ck.int8_linear(x, q, s, b)
     ref = (x.double() @ ck.dequantize(q, s).double().T + b.double()).float()
+    if ck.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
+        q, s = ck.pack(q, s)
+    y = ck.int8_linear(x, q, s, b)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     for r in range(7):  # each row alone gets the bits it gets in the batch
         assert torch.equal(ck.int8_linear(x[r:r + 1], q, s, b)[0], y[r]), r
-    print(ck.build_info()["path"])
+    print(ck.packs(), q.dim(), ck.build_info()["path"])
 """)
 
 
 @pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("float4", "float"), ("float8", "float"),
-                                       ("nonsense", ""), ("", "")])
+                                       ("lanes", ""), ("nonsense", ""), ("", "")])
 def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     """MVLLM_INT8_PATH picks the path (read once per process, so one process each): every path agrees with the
     reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 and float8
-    are AVX-512's interleaved float paths, the plain float path elsewhere; unset or unknown: the default, float4 with
-    AVX-512 and int16 elsewhere)."""
+    are AVX-512's interleaved float paths, the plain float path elsewhere). Unset or unknown: the default, lanes
+    where it is built (AVX2 or AVX-512: the weights are then packed in its layout), int16 elsewhere."""
     env = {**os.environ, "MVLLM_INT8_PATH": path}
     done = subprocess.run([sys.executable, "-c", PATH_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    named = done.stdout.strip().splitlines()[-1]
+    packs, dims, named = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    has_lanes = machine.x86() and machine.cpu_capability().startswith(("AVX2", "AVX512"))
     if not name:
-        name = "float4" if "AVX-512" in named else "int16"
+        name = "lanes" if has_lanes else "int16"
     assert named.startswith(name), named
-    assert ("is not one of int16, float, float4, float8" in done.stderr) == (path == "nonsense"), done.stderr
+    assert (packs, dims) == (("True", "3") if name == "lanes" else ("False", "2")), (packs, dims)
+    assert ("is not one of int16, float, float4, float8, lanes" in done.stderr) == (path == "nonsense"), done.stderr
     if path in ("float4", "float8"):
         assert (path in named) == ("AVX-512" in named), named

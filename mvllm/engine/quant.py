@@ -53,6 +53,8 @@ class Int8Linear(nn.Module):
         if not invariant:
             self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
             self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
+        if cpu_int8.packs() and self.out_features % cpu_int8.LANE_OUTS == 0:  # the kernel's lanes layout
+            self.q, self.scales = cpu_int8.pack(q, scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -51,7 +51,41 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(out, groups, inputs // groups) * scales[..., None]).reshape(out, inputs)
 
 
-PATHS = ("int16", "float", "float4", "float8")
+PATHS = ("int16", "float", "float4", "float8", "lanes")
+LANE_OUTS = 16  # outputs a tile of the lanes layout
+
+
+def packs() -> bool:
+    """Whether Int8Linear packs its weights in the lanes layout (the kernel's path here takes it): builds the
+    kernel on first use; False where it is unavailable."""
+    return available() and torch.ops.mvllm_int8.packs(GROUP)
+
+
+def has_lanes() -> bool:
+    """Whether this build has the lanes kernel (AVX2 or AVX-512BW), whichever path MVLLM_INT8_PATH picks."""
+    return available() and torch.ops.mvllm_int8.has_lanes()
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [out, in], scales [out, groups]) -> the lanes layout (csrc/int8_linear.cpp): q [out / 16, groups,
+    16 * group] with each group's inputs in pairs for 16 outputs, scales [out / 16, groups, 16]. int8_linear
+    takes either layout."""
+    out, inputs = q.shape
+    groups = scales.shape[1]
+    group = inputs // groups
+    if out % LANE_OUTS or group % 2:
+        raise ValueError(f"the lanes layout needs out_features a multiple of {LANE_OUTS}, got {out}")
+    tiles = out // LANE_OUTS
+    qp = q.view(tiles, LANE_OUTS, groups, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    return qp.contiguous(), scales.view(tiles, LANE_OUTS, groups).transpose(1, 2).contiguous()
+
+
+def unpack(qp: torch.Tensor, sp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack's inverse."""
+    tiles, groups, width = qp.shape
+    group = width // LANE_OUTS
+    q = qp.view(tiles, groups, group // 2, LANE_OUTS, 2).permute(0, 3, 1, 2, 4).reshape(tiles * LANE_OUTS, -1)
+    return q.contiguous(), sp.transpose(1, 2).reshape(tiles * LANE_OUTS, groups).contiguous()
 
 
 def _load():
@@ -89,12 +123,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     Bad inputs raise ValueError here, before the C++ op (whose own checks crashed the process instead of
     raising on one machine: torch 2.11 with the extension built by g++ 13). check=False: the caller's
     inputs are valid by construction (quant.Int8Linear, on the decode path)."""
-    if check and (x.dtype != torch.float32 or x.shape[-1] != q.shape[1]):
-        raise ValueError(f"int8_linear takes float32 inputs of {q.shape[1]} features, got {x.dtype} "
+    lanes = q.dim() == 3  # pack's layout
+    inputs, out = (q.shape[1] * q.shape[2] // LANE_OUTS, q.shape[0] * LANE_OUTS) if lanes else (q.shape[1], q.shape[0])
+    if check and (x.dtype != torch.float32 or x.shape[-1] != inputs):
+        raise ValueError(f"int8_linear takes float32 inputs of {inputs} features, got {x.dtype} "
                          f"with {x.shape[-1]} inputs")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if available():
         y = _op(rows, q, scales, bias)
     else:
-        y = torch.nn.functional.linear(rows, dequantize(q, scales), bias)
-    return y.view(*x.shape[:-1], q.shape[0])
+        y = torch.nn.functional.linear(rows, dequantize(*(unpack(q, scales) if lanes else (q, scales))), bias)
+    return y.view(*x.shape[:-1], out)

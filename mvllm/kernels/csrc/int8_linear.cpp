@@ -48,6 +48,7 @@ struct Problem {
   int64_t rows, in, out, group;
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
+  bool lanes = false;         // q and scales are in the lanes layout (pack_lanes below)
   int64_t groups() const { return in / group; }
 };
 
@@ -284,6 +285,136 @@ void block_int(const Problem& p, int64_t r0, int64_t o) {
   }
 }
 
+// The lanes layout: outputs in SIMD lanes, so no horizontal sums and one stream of weights per thread. Weights are
+// packed at load (cpu_int8.pack) in tiles of kLaneOuts outputs: tile t, group g holds the group's inputs in pairs,
+// each pair for all 16 outputs: q[t, g, (k / 2) * 32 + o * 2 + k % 2] = w[16 t + o, g * group + k]; scales[t, g, o]
+// is output 16 t + o's scale for group g. One 32-byte load is 2 inputs x 16 outputs; widened to int16, one
+// multiply-add of pairs (vpdpwssd, or vpmaddwd) per activation row applies them to all 16 outputs, the row's two
+// int16 inputs broadcast. Each group's int32 sums (exact) are converted once and scaled by the 16 outputs' scales;
+// the row's scale multiplies the end. Integer sums do not depend on their order, so a row's result does not
+// depend on its batch. Built with AVX-512BW (16 outputs a vector) or AVX2 (8 a vector, two vectors).
+constexpr int64_t kLaneOuts = 16;
+#if defined(__AVX512BW__) || defined(__AVX2__)
+constexpr bool kHasLanes = true;
+#else
+constexpr bool kHasLanes = false;
+#endif
+
+inline int32_t pair(const int16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+#if defined(__AVX512BW__)
+constexpr int kMaxLaneRows = 8;  // 8 rows' accumulators and totals, 16 of 32 registers
+template <int R>
+void lanes_block(const Problem& p, int64_t r0, int64_t t) {
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent accumulators a row, so the adds do not wait
+  const int64_t ng = p.groups(), group = p.group;
+  const int8_t* w = p.q + t * kLaneOuts * p.in;
+  const float* sc = p.scales + t * kLaneOuts * ng;
+  const int16_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < group; k += 2 * A) {
+      for (int a = 0; a < A; ++a) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + 2 * a) * kLaneOuts)));
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_set1_epi32(pair(x[r] + k + 2 * a));
+#if defined(__AVX512VNNI__)
+          acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], wv, xv);
+#else
+          acc[r][a] = _mm512_add_epi32(acc[r][a], _mm512_madd_epi16(wv, xv));
+#endif
+        }
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sc + g * kLaneOuts);
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = acc[r][0];
+      for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[r][a]);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[r]);
+      x[r] += group;
+    }
+    w += kLaneOuts * group;
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_mul_ps(total[r], _mm512_set1_ps(p.xs[r0 + r]));
+    if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
+    _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
+  }
+}
+#elif defined(__AVX2__)
+constexpr int kMaxLaneRows = 4;  // 4 rows x 2 halves of accumulators and totals, 16 registers
+template <int R>
+void lanes_block(const Problem& p, int64_t r0, int64_t t) {
+  constexpr int A = R == 1 ? 2 : 1;
+  const int64_t ng = p.groups(), group = p.group;
+  const int8_t* w = p.q + t * kLaneOuts * p.in;
+  const float* sc = p.scales + t * kLaneOuts * ng;
+  const int16_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i acc[R][A][2];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a][0] = acc[r][a][1] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < group; k += 2 * A) {
+      for (int a = 0; a < A; ++a) {
+        const int8_t* pw = w + (k + 2 * a) * kLaneOuts;  // outputs 0-7, then 8-15, two inputs each
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw)));
+        const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_set1_epi32(pair(x[r] + k + 2 * a));
+          acc[r][a][0] = _mm256_add_epi32(acc[r][a][0], _mm256_madd_epi16(lo, xv));
+          acc[r][a][1] = _mm256_add_epi32(acc[r][a][1], _mm256_madd_epi16(hi, xv));
+        }
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(sc + g * kLaneOuts), s1 = _mm256_loadu_ps(sc + g * kLaneOuts + 8);
+    for (int r = 0; r < R; ++r) {
+      __m256i sum0 = acc[r][0][0], sum1 = acc[r][0][1];
+      for (int a = 1; a < A; ++a) sum0 = _mm256_add_epi32(sum0, acc[r][a][0]), sum1 = _mm256_add_epi32(sum1, acc[r][a][1]);
+      total[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum0), s0, total[r][0]);
+      total[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum1), s1, total[r][1]);
+      x[r] += group;
+    }
+    w += kLaneOuts * group;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_mul_ps(total[r][h], _mm256_set1_ps(p.xs[r0 + r]));
+      if (p.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(p.bias + t * kLaneOuts + 8 * h));
+      _mm256_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts + 8 * h, v);
+    }
+}
+#endif
+
+#if defined(__AVX512BW__) || defined(__AVX2__)
+template <int R = 1>
+void lanes_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
+  if constexpr (R <= kMaxLaneRows) {
+    if (rows == R) return lanes_block<R>(p, r0, t);
+    lanes_rows<R + 1>(p, r0, rows, t);
+  }
+}
+
+// Rows [r0, r0 + rows) x tile t, kMaxLaneRows rows at a time.
+void lanes(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
+  for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
+    lanes_rows(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
+}
+#else
+void lanes(const Problem&, int64_t, int64_t, int64_t) {}
+#endif
+
 // x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
 void quantize_rows(const Problem& p, int16_t* xq, float* xs, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
@@ -331,7 +462,7 @@ struct Avx512 {
 // with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Unset or anything else: the default,
 // float4 with AVX-512 (on the H200 machine's Xeon, 0.84-0.94x int16's time and ahead of the single stream in
 // one run: experiments/cpu_int8_speed.py --paths), int16 elsewhere (on the AVX2 machine 0.72-0.78x float's).
-enum class Path { kInt16, kFloat, kFloat4, kFloat8 };
+enum class Path { kInt16, kFloat, kFloat4, kFloat8, kLanes };
 Path path() {
   static const Path chosen = [] {
     const char* env = std::getenv("MVLLM_INT8_PATH");
@@ -340,11 +471,9 @@ Path path() {
     if (v == "float") return Path::kFloat;
     if (v == "float4") return Path::kFloat4;
     if (v == "float8") return Path::kFloat8;
-#if defined(__AVX512F__)
-    return Path::kFloat4;
-#else
+    if (v == "lanes" && kHasLanes) return Path::kLanes;
+    if (kHasLanes) return Path::kLanes;
     return Path::kInt16;
-#endif
   }();
   return chosen;
 }
@@ -360,9 +489,20 @@ int64_t ahead_blocks() {
 bool interleaved() { return path() == Path::kFloat4 || path() == Path::kFloat8; }
 #endif
 bool int16_rows(int64_t group) { return path() == Path::kInt16 && group % kStep == 0; }
+// Whether weights of this group size are packed in the lanes layout at load (cpu_int8.pack asks).
+bool packs(int64_t group) { return path() == Path::kLanes && group % 8 == 0; }
 
 // The path a call with this group size takes, and its instructions: what the profile records.
 std::string path_name(int64_t group) {
+  if (packs(group)) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return "lanes (int16, AVX-512 VNNI vpdpwssd, 16 outputs a vector)";
+#elif defined(__AVX512BW__)
+    return "lanes (int16, AVX-512 vpmaddwd, 16 outputs a vector)";
+#else
+    return "lanes (int16, AVX2 vpmaddwd, 8 outputs a vector)";
+#endif
+  }
   if (int16_rows(group)) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return "int16 (AVX-512 VNNI vpdpwssd)";
@@ -429,6 +569,7 @@ void block_interleaved(const Problem& p, int64_t r0, int64_t rows, int64_t o0, i
 #endif
 
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
+  if (p.lanes) return lanes(p, r0, rows, o0 / kLaneOuts);
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
 #if defined(__AVX512F__)
   if (p.group % 16 == 0)
@@ -461,13 +602,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.is_cpu() && q.is_cpu() && scales.is_cpu(), "int8_linear runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [rows, in]");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
-              "q: contiguous int8 [out, in]");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales: contiguous float32 [out, groups]");
-  const int64_t rows = x.size(0), in = x.size(1), out = q.size(0), groups = scales.size(1);
-  TORCH_CHECK(q.size(1) == in, "q has ", q.size(1), " inputs, x has ", in);
-  TORCH_CHECK(scales.size(0) == out && groups > 0 && in % groups == 0, "scales shape does not fit q");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales: contiguous float32");
+  const bool packed = q.dim() == 3;  // the lanes layout: q [out / 16, groups, 16 * group], scales [out / 16, groups, 16]
+  int64_t rows = x.size(0), in = x.size(1), out, groups;
+  if (packed) {
+    TORCH_CHECK(kHasLanes, "q is in the lanes layout, which this build (no AVX2 or AVX-512BW) does not have");
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == q.size(0) && scales.size(1) == q.size(1) &&
+                    scales.size(2) == kLaneOuts && q.size(2) % (2 * kLaneOuts) == 0,
+                "lanes layout: q [tiles, groups, 16 * group], scales [tiles, groups, 16]");
+    out = q.size(0) * kLaneOuts, groups = q.size(1);
+    TORCH_CHECK(q.size(1) * q.size(2) / kLaneOuts == in, "q has ", q.size(1) * q.size(2) / kLaneOuts,
+                " inputs, x has ", in);
+  } else {
+    TORCH_CHECK(q.dim() == 2 && scales.dim() == 2, "q [out, in] and scales [out, groups]");
+    out = q.size(0), groups = scales.size(1);
+    TORCH_CHECK(q.size(1) == in, "q has ", q.size(1), " inputs, x has ", in);
+    TORCH_CHECK(scales.size(0) == out && groups > 0 && in % groups == 0, "scales shape does not fit q");
+  }
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -478,10 +630,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::Tensor y = at::empty({rows, out}, x.options());
   Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
-  if (path() == Path::kFloat8) p.block = 8;
+  p.lanes = packed;
+  if (packed) p.block = kLaneOuts;
+  else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs;
-  if (int16_rows(p.group)) {
+  if (packed || int16_rows(p.group)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
     xs = at::empty({rows}, x.options());
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -499,4 +653,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(mvllm_int8, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None) -> Tensor", &int8_linear);
   m.def("path(int group) -> str", &path_name);
+  m.def("packs(int group) -> bool", &packs);
+  m.def("has_lanes() -> bool", [] { return kHasLanes; });
 }
