@@ -2,7 +2,7 @@
 decode step's linears of a model (every layer its own weights, so they stream from memory as in a real step),
 at 1 and 4 rows, the milliseconds of each and their ratio. --paths int16,float,float4 runs the kernel's paths
 (MVLLM_INT8_PATH, read once per process; float4:2 also sets MVLLM_INT8_AHEAD=2) one process each, in the same
-call, and prints each against the first.
+call, and prints each against the first (a path named twice, as in lanes,float4,lanes, alternates them).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--out FILE]
@@ -117,7 +117,7 @@ def main() -> None:
 def compare(a) -> None:
     """Each path in a process of its own, one after the other; every path's ms against the first path's."""
     runs = {}
-    for path in a.paths.split(","):
+    for i, path in enumerate(a.paths.split(",")):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--model", a.model, "--rows", a.rows, "--repeats", str(a.repeats),
                    "--out", f.name] + (["--threads", str(a.threads)] if a.threads else []) + \
@@ -126,7 +126,7 @@ def compare(a) -> None:
             env = {**os.environ, "MVLLM_INT8_PATH": name, **({"MVLLM_INT8_AHEAD": ahead} if ahead else {})}
             print(f"MVLLM_INT8_PATH={name}" + (f" MVLLM_INT8_AHEAD={ahead}" if ahead else "") + ":", flush=True)
             subprocess.run(cmd, check=True, env=env)
-            runs[path] = json.load(open(f.name))
+            runs[path if path not in runs else f"{path}#{i + 1}"] = json.load(open(f.name))  # lanes,float4,lanes
     first = next(iter(runs))
     for path, run in runs.items():
         for row, base in zip(run["rows"], runs[first]["rows"]):

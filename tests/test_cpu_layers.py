@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mvllm.engine import quant
 from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.params import SamplingParams
 from mvllm.kernels import cpu_layers
@@ -48,9 +49,12 @@ def test_hidden_states_and_cache_match_the_python_loop(model):
 
 
 def test_prefill_above_the_kernel_rows_takes_the_python_loop():
-    """Without batch_invariant, more than PACKED_MAX_ROWS tokens go to the GEMM (in Python); invariant, every
-    batch size takes the C++ loop."""
-    assert not engine("synthetic:tiny-qwen2").model.cpu_layers.serves(9)
+    """Without batch_invariant, more than PACKED_MAX_ROWS tokens (LANES_MAX_ROWS where every linear is in the
+    lanes layout) go to the GEMM (in Python); invariant, every batch size takes the C++ loop."""
+    model = engine("synthetic:tiny-qwen2").model
+    lanes = all(m.q.dim() == 3 for m in model.modules() if isinstance(m, quant.Int8Linear))
+    rows = quant.LANES_MAX_ROWS if lanes else quant.PACKED_MAX_ROWS
+    assert model.cpu_layers.serves(rows) and not model.cpu_layers.serves(rows + 1)
     assert engine("synthetic:tiny-qwen2", invariant=True).model.cpu_layers.serves(500)
 
 

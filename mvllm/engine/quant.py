@@ -34,6 +34,11 @@ QUANTS = ("none", "int8w", "int8-lossy")
 LOSSY = ("int8-lossy",)
 RENAMED = {"int8": "int8-lossy"}
 PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
+# ... and up to this many where the weights are in the kernel's lanes layout. A step's linears on the H200
+# machine's Xeon, against the bf16 GEMM in the same process (experiments/cpu_int8_speed.py --gemm): 16 rows took
+# 0.36x its time at 16 threads and 0.78x at 8; 20 rows 0.44x and 1.18x. On the AVX2 machine (float32 GEMM):
+# 0.82x at 32 rows, 1.0x at 64.
+LANES_MAX_ROWS = 16
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")
 
@@ -55,6 +60,7 @@ class Int8Linear(nn.Module):
             self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
         if cpu_int8.packs() and self.out_features % cpu_int8.LANE_OUTS == 0:  # the kernel's lanes layout
             self.q, self.scales = cpu_int8.pack(q, scales)
+            self.kernel_rows = max(self.kernel_rows, LANES_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
