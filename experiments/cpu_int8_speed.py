@@ -1,7 +1,8 @@
 """The int8w kernel (mvllm/kernels/cpu_int8.py) against float32 F.linear on this CPU, in the same run: one
 decode step's linears of a model (every layer its own weights, so they stream from memory as in a real step),
 at 1 and 4 rows, the milliseconds of each and their ratio. --paths int16,float,float4 runs the kernel's paths
-(MVLLM_INT8_PATH, read once per process; float4:2 also sets MVLLM_INT8_AHEAD=2) one process each, in the same
+(MVLLM_INT8_PATH, read once per process; float4:2 also sets MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512
+MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512) one process each, in the same
 call, and prints each against the first (a path named twice, as in lanes,float4,lanes, alternates them).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
@@ -122,9 +123,13 @@ def compare(a) -> None:
             cmd = [sys.executable, __file__, "--model", a.model, "--rows", a.rows, "--repeats", str(a.repeats),
                    "--out", f.name] + (["--threads", str(a.threads)] if a.threads else []) + \
                   (["--gemm"] if a.gemm else [])
-            name, _, ahead = path.partition(":")  # float4:2 = MVLLM_INT8_PATH=float4 MVLLM_INT8_AHEAD=2
-            env = {**os.environ, "MVLLM_INT8_PATH": name, **({"MVLLM_INT8_AHEAD": ahead} if ahead else {})}
-            print(f"MVLLM_INT8_PATH={name}" + (f" MVLLM_INT8_AHEAD={ahead}" if ahead else "") + ":", flush=True)
+            name, *knobs = path.split(":")  # float4:2 = float4:ahead=2; lanes:tiles=2:prefetch=1024
+            extra = {"MVLLM_INT8_PATH": name}
+            for knob in knobs:
+                key, _, value = knob.rpartition("=")
+                extra[f"MVLLM_INT8_{(key or 'ahead').upper()}"] = value
+            env = {**os.environ, **extra}
+            print(" ".join(f"{k}={v}" for k, v in extra.items()) + ":", flush=True)
             subprocess.run(cmd, check=True, env=env)
             runs[path if path not in runs else f"{path}#{i + 1}"] = json.load(open(f.name))  # lanes,float4,lanes
     first = next(iter(runs))

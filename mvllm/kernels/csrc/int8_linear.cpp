@@ -306,49 +306,84 @@ inline int32_t pair(const int16_t* x) {
   return v;
 }
 
+// Experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024): MVLLM_INT8_TILES, the tiles of
+// one thread's range streamed at once at 1-2 rows (1, 2 or 4; default 1), and MVLLM_INT8_PREFETCH, how many bytes
+// ahead of each stream to prefetch (0: none, the default), for AVX-512. Both are read once.
+int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* env = std::getenv(name);
+  return std::clamp<int64_t>(env ? std::atoll(env) : fallback, lo, hi);
+}
+int64_t lane_tiles() {
+  static const int64_t n = [] {
+    const int64_t v = env_int("MVLLM_INT8_TILES", 1, 1, 4);
+    return v == 3 ? 2 : v;
+  }();
+  return n;
+}
+int64_t prefetch_bytes() {
+  static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 0, 0, 1 << 16) / 64 * 64;
+  return n;
+}
+
 #if defined(__AVX512BW__)
 constexpr int kMaxLaneRows = 8;  // 8 rows' accumulators and totals, 16 of 32 registers
-template <int R>
-void lanes_block(const Problem& p, int64_t r0, int64_t t) {
-  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent accumulators a row, so the adds do not wait
-  const int64_t ng = p.groups(), group = p.group;
-  const int8_t* w = p.q + t * kLaneOuts * p.in;
-  const float* sc = p.scales + t * kLaneOuts * ng;
+// Rows [r0, r0 + R) x tiles [t0, t0 + T): T streams of weights at once.
+template <int R, int T = 1>
+void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
+  constexpr int A = std::max(1, (R == 1 ? 4 : R == 2 ? 2 : 1) / T);  // independent accumulators a row and tile
+  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
+  const int8_t* w[T];
+  const float* sc[T];
+  for (int u = 0; u < T; ++u) w[u] = p.q + (t0 + u) * kLaneOuts * p.in, sc[u] = p.scales + (t0 + u) * kLaneOuts * ng;
   const int16_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
-  __m512 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  __m512 total[T][R];
+  for (int u = 0; u < T; ++u)
+    for (int r = 0; r < R; ++r) total[u][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m512i acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_si512();
+    __m512i acc[T][R][A];
+    for (int u = 0; u < T; ++u)
+      for (int r = 0; r < R; ++r)
+        for (int a = 0; a < A; ++a) acc[u][r][a] = _mm512_setzero_si512();
+    if (ahead)
+      for (int u = 0; u < T; ++u)
+        for (int64_t b = 0; b < kLaneOuts * group; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w[u] + ahead + b), _MM_HINT_T0);
     for (int64_t k = 0; k < group; k += 2 * A) {
       for (int a = 0; a < A; ++a) {
-        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + 2 * a) * kLaneOuts)));
-        for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_set1_epi32(pair(x[r] + k + 2 * a));
+        __m512i xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = _mm512_set1_epi32(pair(x[r] + k + 2 * a));
+        for (int u = 0; u < T; ++u) {
+          const __m512i wv = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[u] + (k + 2 * a) * kLaneOuts)));
+          for (int r = 0; r < R; ++r) {
 #if defined(__AVX512VNNI__)
-          acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], wv, xv);
+            acc[u][r][a] = _mm512_dpwssd_epi32(acc[u][r][a], wv, xv[r]);
 #else
-          acc[r][a] = _mm512_add_epi32(acc[r][a], _mm512_madd_epi16(wv, xv));
+            acc[u][r][a] = _mm512_add_epi32(acc[u][r][a], _mm512_madd_epi16(wv, xv[r]));
 #endif
+          }
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(sc + g * kLaneOuts);
-    for (int r = 0; r < R; ++r) {
-      __m512i sum = acc[r][0];
-      for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[r][a]);
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[r]);
-      x[r] += group;
+    for (int u = 0; u < T; ++u) {
+      const __m512 s = _mm512_loadu_ps(sc[u] + g * kLaneOuts);
+      for (int r = 0; r < R; ++r) {
+        __m512i sum = acc[u][r][0];
+        for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[u][r][a]);
+        total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[u][r]);
+      }
+      w[u] += kLaneOuts * group;
     }
-    w += kLaneOuts * group;
+    for (int r = 0; r < R; ++r) x[r] += group;
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 v = _mm512_mul_ps(total[r], _mm512_set1_ps(p.xs[r0 + r]));
-    if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
-    _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
-  }
+  for (int u = 0; u < T; ++u)
+    for (int r = 0; r < R; ++r) {
+      const int64_t t = t0 + u;
+      __m512 v = _mm512_mul_ps(total[u][r], _mm512_set1_ps(p.xs[r0 + r]));
+      if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
+      _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
+    }
 }
 #elif defined(__AVX2__)
 constexpr int kMaxLaneRows = 4;  // 4 rows x 2 halves of accumulators and totals, 16 registers
@@ -406,13 +441,21 @@ void lanes_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
   }
 }
 
-// Rows [r0, r0 + rows) x tile t, kMaxLaneRows rows at a time.
-void lanes(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
-  for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
-    lanes_rows(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles), kMaxLaneRows rows at a time; with AVX-512 and 1-2 rows,
+// lane_tiles() tiles at once.
+void lanes(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
+#if defined(__AVX512BW__)
+  if (rows <= 2 && tiles > 1 && tiles == lane_tiles()) {
+    if (tiles == 2) return rows == 1 ? lanes_block<1, 2>(p, r0, t0) : lanes_block<2, 2>(p, r0, t0);
+    return rows == 1 ? lanes_block<1, 4>(p, r0, t0) : lanes_block<2, 4>(p, r0, t0);
+  }
+#endif
+  for (int64_t t = t0; t < t0 + tiles; ++t)
+    for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
+      lanes_rows(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
 #else
-void lanes(const Problem&, int64_t, int64_t, int64_t) {}
+void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
 // x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
@@ -569,7 +612,7 @@ void block_interleaved(const Problem& p, int64_t r0, int64_t rows, int64_t o0, i
 #endif
 
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (p.lanes) return lanes(p, r0, rows, o0 / kLaneOuts);
+  if (p.lanes) return lanes(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
 #if defined(__AVX512F__)
   if (p.group % 16 == 0)
@@ -631,7 +674,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed;
-  if (packed) p.block = kLaneOuts;
+  if (packed) p.block = kLaneOuts * lane_tiles();
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs;
