@@ -308,7 +308,7 @@ inline int32_t pair(const int16_t* x) {
 
 // Experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024): MVLLM_INT8_TILES, the tiles of
 // one thread's range streamed at once at 1-2 rows (1, 2 or 4; default 1), and MVLLM_INT8_PREFETCH, how many bytes
-// ahead of each stream to prefetch (0: none, the default), for AVX-512. Both are read once.
+// ahead of each stream to prefetch (default 1024: two groups of a tile; 0: none), for AVX-512. Both are read once.
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* env = std::getenv(name);
   return std::clamp<int64_t>(env ? std::atoll(env) : fallback, lo, hi);
@@ -321,7 +321,7 @@ int64_t lane_tiles() {
   return n;
 }
 int64_t prefetch_bytes() {
-  static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 0, 0, 1 << 16) / 64 * 64;
+  static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64;
   return n;
 }
 
