@@ -85,7 +85,7 @@ def main() -> None:
     packed = [cpu_int8.quantize_weight(w) for w in weights]
     if cpu_int8.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
         packed = [cpu_int8.pack(q, s) for q, s in packed]
-    nbytes = sum(q.numel() + 4 * s.numel() for q, s in packed)
+    nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in packed)
     gemms = []
     if a.gemm:
         wide = torch.bfloat16 if quant.packable(quant.CPU, torch.bfloat16) else torch.float32

@@ -77,8 +77,19 @@ def test_quantize_round_trip():
     assert q.dtype == torch.int8 and q.shape == (64, 256)
     assert scales.dtype == torch.float32 and scales.shape == (64, 8)
     assert q.abs().max() <= 127 and scales[3, 0] == 0 and (q[3, :32] == 0).all()
+    assert torch.equal(scales.half().float(), scales)  # float16 values, at or above absmax / 127
+    exact = w.reshape(64, 8, 32).abs().amax(-1) / 127
+    assert (scales >= exact).all() and (scales <= exact * (1 + 2 ** -10) + 2 ** -24).all()
     bound = scales.repeat_interleave(32, dim=1) / 2
     assert ((w - ck.dequantize(q, scales)).abs() <= bound * (1 + 1e-4)).all()
+
+
+def test_half_up_rounds_to_the_next_float16_at_or_above():
+    s = torch.tensor([0.0, 1.0, 1.0 + 2 ** -12, 1.0 - 2 ** -13, 3e-6, 65504.0])
+    h = ck.half_up(s)
+    assert torch.equal(h.half().float(), h) and (h >= s).all()
+    assert h[:4].tolist() == [0.0, 1.0, 1.0 + 2 ** -10, 1.0] and h[5] == 65504.0
+    assert h[4] - 3e-6 < 2 ** -24  # a subnormal: the next step up is 2^-24
 
 
 def test_quantize_rejects_partial_group():
@@ -149,7 +160,7 @@ def test_lanes_layout_round_trips_and_rejects_odd_outputs():
     gen = torch.Generator().manual_seed(6)
     q, scales = ck.quantize_weight(torch.randn(48, 96, generator=gen))
     qp, sp = ck.pack(q, scales)
-    assert qp.shape == (3, 3, 16 * 32) and sp.shape == (3, 3, 16)
+    assert qp.shape == (3, 3, 16 * 32) and sp.shape == (3, 3, 16) and sp.dtype == torch.float16
     assert qp[1, 2, 2 * 16 + 2 * 5 + 1] == q[16 + 5, 2 * 32 + 3]  # input pair 1 of group 2, output 5, odd input
     assert all(torch.equal(a, b) for a, b in zip(ck.unpack(qp, sp), (q, scales)))
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -34,15 +34,24 @@ _op = None
 
 def quantize_weight(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (q int8 [out, in], scales float32 [out, in // group]), symmetric: q = round(w / s)
-    with s = absmax(group) / 127."""
+    with s = absmax(group) / 127 rounded up to a float16 value (as Q8_0's scales are float16): the lanes layout
+    stores them in half the bytes, exactly, and no |w / s| exceeds 127."""
     out, inputs = w.shape
     if inputs % group:
         raise ValueError(f"in_features {inputs} is not a multiple of the group size {group}")
     groups = w.detach().float().reshape(out, inputs // group, group)
-    scales = groups.abs().amax(-1) / 127
+    scales = half_up(groups.abs().amax(-1) / 127)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(out, inputs), scales
+
+
+def half_up(s: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 -> the nearest float16 value at or above it, as float32."""
+    h = s.half()
+    below = h.float() < s
+    h[below] = (h[below].view(torch.int16) + 1).view(torch.float16)  # the next float16 up (positive values)
+    return h.float()
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -68,8 +77,8 @@ def has_lanes() -> bool:
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [out, in], scales [out, groups]) -> the lanes layout (csrc/int8_linear.cpp): q [out / 16, groups,
-    16 * group] with each group's inputs in pairs for 16 outputs, scales [out / 16, groups, 16]. int8_linear
-    takes either layout."""
+    16 * group] with each group's inputs in pairs for 16 outputs, scales float16 [out / 16, groups, 16].
+    int8_linear takes either layout."""
     out, inputs = q.shape
     groups = scales.shape[1]
     group = inputs // groups
@@ -77,7 +86,10 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         raise ValueError(f"the lanes layout needs out_features a multiple of {LANE_OUTS}, got {out}")
     tiles = out // LANE_OUTS
     qp = q.view(tiles, LANE_OUTS, groups, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
-    return qp.contiguous(), scales.view(tiles, LANE_OUTS, groups).transpose(1, 2).contiguous()
+    half = scales.half()
+    if not torch.equal(half.float(), scales):
+        raise ValueError("the lanes layout stores scales in float16: quantize_weight's scales are")
+    return qp.contiguous(), half.view(tiles, LANE_OUTS, groups).transpose(1, 2).contiguous()
 
 
 def unpack(qp: torch.Tensor, sp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +97,7 @@ def unpack(qp: torch.Tensor, sp: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     tiles, groups, width = qp.shape
     group = width // LANE_OUTS
     q = qp.view(tiles, groups, group // 2, LANE_OUTS, 2).permute(0, 3, 1, 2, 4).reshape(tiles * LANE_OUTS, -1)
-    return q.contiguous(), sp.transpose(1, 2).reshape(tiles * LANE_OUTS, groups).contiguous()
+    return q.contiguous(), sp.float().transpose(1, 2).reshape(tiles * LANE_OUTS, groups).contiguous()
 
 
 def _load():

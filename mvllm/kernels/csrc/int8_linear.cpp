@@ -43,6 +43,7 @@ struct Problem {
   const float* xs;
   const int8_t* q;
   const float* scales;
+  const uint16_t* scales16;  // the lanes layout's scales, float16
   const float* bias;
   float* y;
   int64_t rows, in, out, group;
@@ -288,13 +289,13 @@ void block_int(const Problem& p, int64_t r0, int64_t o) {
 // The lanes layout: outputs in SIMD lanes, so no horizontal sums and one stream of weights per thread. Weights are
 // packed at load (cpu_int8.pack) in tiles of kLaneOuts outputs: tile t, group g holds the group's inputs in pairs,
 // each pair for all 16 outputs: q[t, g, (k / 2) * 32 + o * 2 + k % 2] = w[16 t + o, g * group + k]; scales[t, g, o]
-// is output 16 t + o's scale for group g. One 32-byte load is 2 inputs x 16 outputs; widened to int16, one
+// (float16) is output 16 t + o's scale for group g. One 32-byte load is 2 inputs x 16 outputs; widened to int16, one
 // multiply-add of pairs (vpdpwssd, or vpmaddwd) per activation row applies them to all 16 outputs, the row's two
 // int16 inputs broadcast. Each group's int32 sums (exact) are converted once and scaled by the 16 outputs' scales;
 // the row's scale multiplies the end. Integer sums do not depend on their order, so a row's result does not
 // depend on its batch. Built with AVX-512BW (16 outputs a vector) or AVX2 (8 a vector, two vectors).
 constexpr int64_t kLaneOuts = 16;
-#if defined(__AVX512BW__) || defined(__AVX2__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__))
 constexpr bool kHasLanes = true;
 #else
 constexpr bool kHasLanes = false;
@@ -333,8 +334,8 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
   constexpr int A = std::max(1, (R == 1 ? 4 : R == 2 ? 2 : 1) / T);  // independent accumulators a row and tile
   const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
   const int8_t* w[T];
-  const float* sc[T];
-  for (int u = 0; u < T; ++u) w[u] = p.q + (t0 + u) * kLaneOuts * p.in, sc[u] = p.scales + (t0 + u) * kLaneOuts * ng;
+  const uint16_t* sc[T];
+  for (int u = 0; u < T; ++u) w[u] = p.q + (t0 + u) * kLaneOuts * p.in, sc[u] = p.scales16 + (t0 + u) * kLaneOuts * ng;
   const int16_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
   __m512 total[T][R];
@@ -367,7 +368,7 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
       }
     }
     for (int u = 0; u < T; ++u) {
-      const __m512 s = _mm512_loadu_ps(sc[u] + g * kLaneOuts);
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc[u] + g * kLaneOuts)));
       for (int r = 0; r < R; ++r) {
         __m512i sum = acc[u][r][0];
         for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[u][r][a]);
@@ -385,14 +386,14 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
       _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
     }
 }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__F16C__)
 constexpr int kMaxLaneRows = 4;  // 4 rows x 2 halves of accumulators and totals, 16 registers
 template <int R>
 void lanes_block(const Problem& p, int64_t r0, int64_t t) {
   constexpr int A = R == 1 ? 2 : 1;
   const int64_t ng = p.groups(), group = p.group;
   const int8_t* w = p.q + t * kLaneOuts * p.in;
-  const float* sc = p.scales + t * kLaneOuts * ng;
+  const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
   const int16_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
   __m256 total[R][2];
@@ -413,7 +414,8 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t) {
         }
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(sc + g * kLaneOuts), s1 = _mm256_loadu_ps(sc + g * kLaneOuts + 8);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kLaneOuts)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kLaneOuts + 8)));
     for (int r = 0; r < R; ++r) {
       __m256i sum0 = acc[r][0][0], sum1 = acc[r][0][1];
       for (int a = 1; a < A; ++a) sum0 = _mm256_add_epi32(sum0, acc[r][a][0]), sum1 = _mm256_add_epi32(sum1, acc[r][a][1]);
@@ -432,7 +434,7 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t) {
 }
 #endif
 
-#if defined(__AVX512BW__) || defined(__AVX2__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__))
 template <int R = 1>
 void lanes_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
   if constexpr (R <= kMaxLaneRows) {
@@ -646,8 +648,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [rows, in]");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales: contiguous float32");
   const bool packed = q.dim() == 3;  // the lanes layout: q [out / 16, groups, 16 * group], scales [out / 16, groups, 16]
+  TORCH_CHECK(scales.scalar_type() == (packed ? at::kHalf : at::kFloat) && scales.is_contiguous(),
+              "scales: contiguous, float16 in the lanes layout, else float32");
   int64_t rows = x.size(0), in = x.size(1), out, groups;
   if (packed) {
     TORCH_CHECK(kHasLanes, "q is in the lanes layout, which this build (no AVX2 or AVX-512BW) does not have");
@@ -671,7 +674,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     bias_ptr = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({rows, out}, x.options());
-  Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr,
+  Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(),
+            packed ? nullptr : scales.data_ptr<float>(),
+            packed ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed;
   if (packed) p.block = kLaneOuts * lane_tiles();
