@@ -1,7 +1,8 @@
 """CPU modes: how a CPU backend holds its weights and which kernels run them.
 
-- `int8w` (accurate): int8 weights in groups of 32 input columns, one float32 scale each, float32 activations.
-  Decode-sized batches (up to PACKED_MAX_ROWS tokens) run mvllm's int8 kernel (engine/cpu_int8.py),
+- `int8w` (accurate): int8 weights in groups of 32 input columns, one scale each (a float16 value), float32
+  activations. Decode-sized batches (up to PACKED_MAX_ROWS tokens, LANES_MAX_ROWS where the weights are packed
+  in the kernel's lanes layout: AVX2 or AVX-512) run mvllm's int8 kernel (kernels/cpu_int8.py),
   which reads each weight byte once per step: a quarter of float32's bytes. Prefill-sized batches run
   oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16), or with
   batch_invariant=on the int8 kernel too, so a row's result never depends on its batch mates.
@@ -35,9 +36,9 @@ LOSSY = ("int8-lossy",)
 RENAMED = {"int8": "int8-lossy"}
 PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
 # ... and up to this many where the weights are in the kernel's lanes layout. A step's linears on the H200
-# machine's Xeon, against the bf16 GEMM in the same process (experiments/cpu_int8_speed.py --gemm): 16 rows took
-# 0.36x its time at 16 threads and 0.78x at 8; 20 rows 0.44x and 1.18x. On the AVX2 machine (float32 GEMM):
-# 0.82x at 32 rows, 1.0x at 64.
+# machine's Xeon against the bf16 GEMM (experiments/cpu_int8_speed.py --gemm, one call, commit 6c36caf): 16 rows
+# took 0.61-0.83x its time at 8 threads and 0.36-0.76x at 16; 20 rows 0.97-1.18x at 8. On the AVX2 machine
+# (float32 GEMM): 0.82x at 32 rows, 1.0x at 64.
 LANES_MAX_ROWS = 16
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")

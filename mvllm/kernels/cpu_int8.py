@@ -1,19 +1,22 @@
-"""Weight-only int8 linear for CPU decode: int8 weights [out, in] with one float32 scale per `group`
-inputs, float32 activations. The kernel (csrc/int8_linear.cpp) reads each weight byte once per call for
-all activation rows, so decode (1-8 rows) runs near memory bandwidth on 28% of float32's bytes.
+"""Weight-only int8 linear for CPU decode: int8 weights [out, in] with one scale per `group` inputs (a float16
+value, held as float32, or as float16 in the lanes layout), float32 activations. The kernel
+(csrc/int8_linear.cpp) reads each weight byte once per call for all activation rows, so decode (1-16 rows)
+runs near memory bandwidth on 27-28% of float32's bytes.
 
 It is built on first use by engine/build.py and cached. `available()` never raises: when the
 build fails it returns False and `why_unavailable` says why (one line: the compiler's first error);
 `int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
 `build_info()`: build.status("int8"), the flags it built with and whether with OpenMP, or its error.
 
-Without AVX-512 each activation row is rounded to int16 once per call (one scale per row) and the kernel sums
-int16 x int8 products exactly in int32 per group (AVX2, NEON or plain loops), so it builds on any CPU, and
-quant.cpu_mode picks int8w wherever it builds. With AVX-512 it keeps float32 activations and streams four
-interleaved weight rows with software prefetch, which beat int16 (VNNI vpdpwssd) there in one run.
-MVLLM_INT8_PATH=int16|float|float4|float8 forces a path, for same-run comparisons (csrc/int8_linear.cpp; any
-other value: one line on stderr, and the default). On SmolLM2's real weights the int16 path keeps mean KL
-0.0010, top-1 97.8% against float32 (a 2-vCPU AVX2 machine; results/profile/dev2core-int16-accuracy.json).
+Each activation row is rounded to int16 once per call (one scale per row) and the kernel sums int16 x int8
+products exactly in int32 per group. With AVX2 or AVX-512 (x86) Int8Linear packs its weights at load in the
+lanes layout (`pack`: tiles of 16 outputs, each input pair's 16 weights together, the outputs in the vector
+lanes, float16 scales in an array of the same order);
+elsewhere (NEON, plain loops) the weights stay [out, in] and one row streams at a time. Either way it builds on
+any CPU, and quant.cpu_mode picks int8w wherever it builds. MVLLM_INT8_PATH=lanes|int16|float|float4|float8
+forces a path, for same-run comparisons (csrc/int8_linear.cpp; any other value: one line on stderr, and the
+default). On SmolLM2's real weights the lanes layout keeps mean KL 0.0011, top-1 98.1% against float32 (a
+2-vCPU AVX2 machine; results/profile/dev2core-lanes-accuracy.json).
 """
 
 from __future__ import annotations

@@ -502,11 +502,13 @@ struct Avx512 {
 #endif
 
 // Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py --paths):
-// "int16" (int16 activations wherever the group is a multiple of kStep), "float" (float32 activations, one
-// weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight interleaved weight rows
-// with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Unset or anything else: the default,
-// float4 with AVX-512 (on the H200 machine's Xeon, 0.84-0.94x int16's time and ahead of the single stream in
-// one run: experiments/cpu_int8_speed.py --paths), int16 elsewhere (on the AVX2 machine 0.72-0.78x float's).
+// "lanes" (the lanes layout above; Int8Linear packs its weights for it at load, asking packs()), "int16" (int16
+// activations, one weight row at a time, wherever the group is a multiple of kStep), "float" (float32
+// activations, one weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight
+// interleaved weight rows with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Unset or anything
+// else: the default, lanes where it is built (AVX2 or AVX-512BW: on the H200 machine's Xeon 0.71-0.94x float4's
+// time at 1-8 rows and 8 threads; on the AVX2 machine 0.81-0.86x int16's), int16 elsewhere (NEON, plain loops).
+// A packed q (3-D) always takes the lanes kernel.
 enum class Path { kInt16, kFloat, kFloat4, kFloat8, kLanes };
 Path path() {
   static const Path chosen = [] {
