@@ -321,6 +321,11 @@ int64_t lane_tiles() {
   }();
   return n;
 }
+// MVLLM_INT8_HINT: 0 prefetches into L1 (the default), 1 into L2, 2 into L3 (_MM_HINT_T0/T1/T2).
+int64_t prefetch_hint() {
+  static const int64_t n = env_int("MVLLM_INT8_HINT", 0, 0, 2);
+  return n;
+}
 int64_t prefetch_bytes() {
   static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64;
   return n;
@@ -332,7 +337,7 @@ constexpr int kMaxLaneRows = 8;  // 8 rows' accumulators and totals, 16 of 32 re
 template <int R, int T = 1>
 void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
   constexpr int A = std::max(1, (R == 1 ? 4 : R == 2 ? 2 : 1) / T);  // independent accumulators a row and tile
-  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
+  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes(), hint = prefetch_hint();
   const int8_t* w[T];
   const uint16_t* sc[T];
   for (int u = 0; u < T; ++u) w[u] = p.q + (t0 + u) * kLaneOuts * p.in, sc[u] = p.scales16 + (t0 + u) * kLaneOuts * ng;
@@ -348,8 +353,12 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
         for (int a = 0; a < A; ++a) acc[u][r][a] = _mm512_setzero_si512();
     if (ahead)
       for (int u = 0; u < T; ++u)
-        for (int64_t b = 0; b < kLaneOuts * group; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w[u] + ahead + b), _MM_HINT_T0);
+        for (int64_t b = 0; b < kLaneOuts * group; b += 64) {
+          const char* line = reinterpret_cast<const char*>(w[u] + ahead + b);
+          if (hint == 0) _mm_prefetch(line, _MM_HINT_T0);
+          else if (hint == 1) _mm_prefetch(line, _MM_HINT_T1);
+          else _mm_prefetch(line, _MM_HINT_T2);
+        }
     for (int64_t k = 0; k < group; k += 2 * A) {
       for (int a = 0; a < A; ++a) {
         __m512i xv[R];
