@@ -49,7 +49,7 @@ struct Problem {
   int64_t rows, in, out, group;
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
-  bool lanes = false;         // q and scales are in the lanes layout (pack_lanes below)
+  bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
   int64_t groups() const { return in / group; }
 };
 
@@ -307,9 +307,11 @@ inline int32_t pair(const int16_t* x) {
   return v;
 }
 
-// Experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024): MVLLM_INT8_TILES, the tiles of
-// one thread's range streamed at once at 1-2 rows (1, 2 or 4; default 1), and MVLLM_INT8_PREFETCH, how many bytes
-// ahead of each stream to prefetch (default 1024: two groups of a tile; 0: none), for AVX-512. Both are read once.
+// Knobs for same-run experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024), AVX-512
+// only, each read once: MVLLM_INT8_TILES, the tiles of one thread's range streamed at once at 1-2 rows (1, 2 or
+// 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 1024: two groups
+// of a tile; 0: none), MVLLM_INT8_HINT, into which cache. Neither more tiles nor a prefetch into L2 beat the
+// defaults on the Xeon (results/profile/README.md).
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* env = std::getenv(name);
   return std::clamp<int64_t>(env ? std::atoll(env) : fallback, lo, hi);
@@ -427,7 +429,10 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t) {
     const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kLaneOuts + 8)));
     for (int r = 0; r < R; ++r) {
       __m256i sum0 = acc[r][0][0], sum1 = acc[r][0][1];
-      for (int a = 1; a < A; ++a) sum0 = _mm256_add_epi32(sum0, acc[r][a][0]), sum1 = _mm256_add_epi32(sum1, acc[r][a][1]);
+      for (int a = 1; a < A; ++a) {
+        sum0 = _mm256_add_epi32(sum0, acc[r][a][0]);
+        sum1 = _mm256_add_epi32(sum1, acc[r][a][1]);
+      }
       total[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum0), s0, total[r][0]);
       total[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum1), s1, total[r][1]);
       x[r] += group;
@@ -659,7 +664,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [rows, in]");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8");
-  const bool packed = q.dim() == 3;  // the lanes layout: q [out / 16, groups, 16 * group], scales [out / 16, groups, 16]
+  const bool packed = q.dim() == 3;  // lanes: q [out / 16, groups, 16 * group], scales [out / 16, groups, 16]
   TORCH_CHECK(scales.scalar_type() == (packed ? at::kHalf : at::kFloat) && scales.is_contiguous(),
               "scales: contiguous, float16 in the lanes layout, else float32");
   int64_t rows = x.size(0), in = x.size(1), out, groups;
