@@ -208,6 +208,8 @@ def quantize(model: Decoder, quant: str, device: torch.device, batch_invariant: 
     if quant == "int8w":
         _swap(model, bool(batch_invariant))
         model.cpu_layers = cpu_layers.Layers.of(model)
+        if model.cpu_layers is not None:
+            cpu_layers.available()  # built now, while the backend loads, not in its first request's step
         return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
