@@ -165,6 +165,8 @@ def test_lanes_layout_round_trips_and_rejects_odd_outputs():
     assert all(torch.equal(a, b) for a, b in zip(ck.unpack(qp, sp), (q, scales)))
     with pytest.raises(ValueError, match="multiple of 16"):
         ck.pack(*ck.quantize_weight(torch.randn(40, 96, generator=gen)))
+    with pytest.raises(ValueError, match="multiple of 8 inputs, got 32 and 4"):
+        ck.pack(*ck.quantize_weight(torch.randn(32, 96, generator=gen), group=4))
 
 
 @pytest.mark.parametrize("out,inputs", [(64, 896), (1152, 896), (896, 4864), (32, 64)])

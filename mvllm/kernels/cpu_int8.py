@@ -11,9 +11,9 @@ build fails it returns False and `why_unavailable` says why (one line: the compi
 Each activation row is rounded to int16 once per call (one scale per row) and the kernel sums int16 x int8
 products exactly in int32 per group. With AVX2 or AVX-512 (x86) Int8Linear packs its weights at load in the
 lanes layout (`pack`: tiles of 16 outputs, each input pair's 16 weights together, the outputs in the vector
-lanes, float16 scales in an array of the same order);
-elsewhere (NEON, plain loops) the weights stay [out, in] and one row streams at a time. Either way it builds on
-any CPU, and quant.cpu_mode picks int8w wherever it builds. MVLLM_INT8_PATH=lanes|int16|float|float4|float8
+lanes, float16 scales in an array of the same order); elsewhere (NEON, plain loops) the weights stay [out, in]
+and one row streams at a time. Either way it builds on any CPU, and quant.cpu_mode picks int8w wherever it
+builds. MVLLM_INT8_PATH=lanes|int16|float|float4|float8
 forces a path, for same-run comparisons (csrc/int8_linear.cpp; any other value: one line on stderr, and the
 default). On SmolLM2's real weights the lanes layout keeps mean KL 0.0011, top-1 98.1% against float32 (a
 2-vCPU AVX2 machine; results/profile/dev2core-lanes-accuracy.json).
@@ -85,8 +85,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     out, inputs = q.shape
     groups = scales.shape[1]
     group = inputs // groups
-    if out % LANE_OUTS or group % 2:
-        raise ValueError(f"the lanes layout needs out_features a multiple of {LANE_OUTS}, got {out}")
+    if out % LANE_OUTS or group % 8:
+        raise ValueError(f"the lanes layout needs out_features a multiple of {LANE_OUTS} and groups of a multiple "
+                         f"of 8 inputs, got {out} and {group}")
     tiles = out // LANE_OUTS
     qp = q.view(tiles, LANE_OUTS, groups, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
     half = scales.half()

@@ -671,8 +671,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (packed) {
     TORCH_CHECK(kHasLanes, "q is in the lanes layout, which this build (no AVX2 or AVX-512BW) does not have");
     TORCH_CHECK(scales.dim() == 3 && scales.size(0) == q.size(0) && scales.size(1) == q.size(1) &&
-                    scales.size(2) == kLaneOuts && q.size(2) % (2 * kLaneOuts) == 0,
-                "lanes layout: q [tiles, groups, 16 * group], scales [tiles, groups, 16]");
+                    scales.size(2) == kLaneOuts && q.size(2) % (8 * kLaneOuts) == 0,
+                "lanes layout: q [tiles, groups, 16 * group] with a group of a multiple of 8, scales [tiles, "
+                "groups, 16]");
     out = q.size(0) * kLaneOuts, groups = q.size(1);
     TORCH_CHECK(q.size(1) * q.size(2) / kLaneOuts == in, "q has ", q.size(1) * q.size(2) / kLaneOuts,
                 " inputs, x has ", in);
