@@ -1,9 +1,9 @@
 """The int8w kernel (mvllm/kernels/cpu_int8.py) against float32 F.linear on this CPU, in the same run: one
 decode step's linears of a model (every layer its own weights, so they stream from memory as in a real step),
-at 1 and 4 rows, the milliseconds of each and their ratio. --paths int16,float,float4 runs the kernel's paths
-(MVLLM_INT8_PATH, read once per process; float4:2 also sets MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512
-MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512) one process each, in the same
-call, and prints each against the first (a path named twice, as in lanes,float4,lanes, alternates them).
+at 1 and 4 rows, the milliseconds of each and their ratio. --paths lanes,float4,int16 runs the kernel's paths
+(MVLLM_INT8_PATH, read once per process) one process each, in the same call, and prints each against the
+first; a path named twice (lanes,float4,lanes) alternates them. Knobs follow the name: float4:2 sets
+MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512.
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--out FILE]
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--gemm", action="store_true",
-                    help="also time the GEMM int8w runs above quant.PACKED_MAX_ROWS rows (bf16 where native)")
+                    help="also time the GEMM int8w runs above its kernel rows (bf16 where native)")
     ap.add_argument("--paths", help="kernel paths to compare, one process each (MVLLM_INT8_PATH)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -82,15 +82,15 @@ def main() -> None:
     h = layer[1][1]
     torch.manual_seed(0)
     weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, h) * 0.02]
-    packed = [cpu_int8.quantize_weight(w) for w in weights]
-    if cpu_int8.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
-        packed = [cpu_int8.pack(q, s) for q, s in packed]
-    nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in packed)
+    quantized = [cpu_int8.quantize_weight(w) for w in weights]
     gemms = []
     if a.gemm:
         wide = torch.bfloat16 if quant.packable(quant.CPU, torch.bfloat16) else torch.float32
-        gemms = [Wide(quant.dense(cpu_int8.dequantize(*cpu_int8.quantize_weight(w)).to(wide), None), wide)
-                 for w in weights]
+        gemms = [Wide(quant.dense(cpu_int8.dequantize(q, s).to(wide), None), wide) for q, s in quantized]
+    packed = quantized
+    if cpu_int8.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
+        packed = [cpu_int8.pack(q, s) for q, s in quantized]
+    nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in packed)
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}

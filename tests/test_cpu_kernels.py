@@ -200,6 +200,8 @@ def test_lanes_layout_checks_its_input_size(lanes):
     qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)))
     with pytest.raises(ValueError, match="inputs of 64 features"):
         ck.int8_linear(torch.randn(1, 32), qp, sp)
+    with pytest.raises(ValueError, match="scales are float16 in the lanes layout"):
+        ck.int8_linear(torch.randn(1, 64), qp, sp.float())
 
 
 PATH_CHECK = textwrap.dedent("""

@@ -144,6 +144,9 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     if check and (x.dtype != torch.float32 or x.shape[-1] != inputs):
         raise ValueError(f"int8_linear takes float32 inputs of {inputs} features, got {x.dtype} "
                          f"with {x.shape[-1]} inputs")
+    if check and scales.dtype != (torch.float16 if lanes else torch.float32):
+        raise ValueError(f"int8_linear's scales are float16 in the lanes layout (pack), else float32; got "
+                         f"{scales.dtype}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if available():
         y = _op(rows, q, scales, bias)
