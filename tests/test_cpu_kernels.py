@@ -204,6 +204,80 @@ def test_lanes_layout_checks_its_input_size(lanes):
         ck.int8_linear(torch.randn(1, 64), qp, sp.float())
 
 
+@pytest.fixture(scope="module")
+def lanes8(kernel):
+    if not ck.has_lanes8():
+        pytest.skip("this build has no lanes8 kernel (it needs AVX-512 VNNI)")
+
+
+def int8_groups(x, group=ck.GROUP):
+    """x rounded as the lanes8 kernel rounds it: int8 per group of inputs, absmax / 127 its scale."""
+    g = x.view(*x.shape[:-1], -1, group)
+    top = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))  # as the kernel: x * (127 / absmax), then round
+    return (torch.round(g * inv) * (top / 127)).view(x.shape)
+
+
+def test_lanes8_layout_round_trips_and_rejects_odd_groups():
+    gen = torch.Generator().manual_seed(7)
+    q, scales = ck.quantize_weight(torch.randn(48, 96, generator=gen))
+    qp, sp = ck.pack(q, scales, "lanes8")
+    assert qp.dtype == torch.uint8 and qp.shape == (3, 3, 16 * 32) and sp.shape == (3, 3, 16)
+    assert int(qp[1, 2, 64 + 4 * 5 + 3]) == int(q[16 + 5, 2 * 32 + 7]) + 128  # group 2, input 7 (four 1, place 3), output 5
+    assert all(torch.equal(a, b) for a, b in zip(ck.unpack(qp, sp), (q, scales)))
+    with pytest.raises(ValueError, match="lanes8 layout needs .* multiple of 16 inputs, got 32 and 8"):
+        ck.pack(*ck.quantize_weight(torch.randn(32, 96, generator=gen), group=8), "lanes8")
+
+
+def test_lanes8_falls_back_without_kernel(monkeypatch):
+    monkeypatch.setattr(ck, "available", lambda: False)
+    q, scales = ck.quantize_weight(torch.randn(32, 64))
+    x = torch.randn(3, 64)
+    assert_close(ck.int8_linear(x, *ck.pack(q, scales, "lanes8")), reference(x, q, scales))
+
+
+@pytest.mark.parametrize("out,inputs", [(64, 896), (1152, 896), (896, 4864), (32, 64)])
+def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
+    """lanes8 computes exactly what int8 activations per group give (to float rounding), stays within their
+    accuracy of the float result, and gives each row alone the bits it gets in a batch of up to 40."""
+    gen = torch.Generator().manual_seed(out + inputs + 1)
+    q, scales = ck.quantize_weight(torch.randn(out, inputs, generator=gen))
+    bias = torch.randn(out, generator=gen)
+    qp, sp = ck.pack(q, scales, "lanes8")
+    x = torch.randn(40, inputs, generator=gen)
+    y = ck.int8_linear(x, qp, sp, bias)
+    exact = reference(int8_groups(x), q, scales, bias)
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    ref = reference(x, q, scales, bias)
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # int8 activations: ~0.5% of the largest output
+    for rows in (1, 2, 3, 5, 8, 9, 16, 17, 33):
+        assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), y[:rows]), rows
+
+
+def test_lanes8_integer_activations_are_exact(lanes8):
+    """A group of integers whose largest magnitude is 127 is its own int8 rounding (scale 1): only the float sum
+    over groups rounds."""
+    gen = torch.Generator().manual_seed(8)
+    q, scales = ck.quantize_weight(torch.randn(64, 896, generator=gen))
+    x = torch.randint(-127, 128, (3, 896), generator=gen).float()
+    x[:, ::32] = 127.0
+    x[1, 64:96] = 0.0  # a zero group
+    ref = reference(x, q, scales)
+    y = ck.int8_linear(x, *ck.pack(q, scales, "lanes8"))
+    torch.testing.assert_close(y, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
+
+
+def test_lanes8_layout_checks_its_input_size(lanes8):
+    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)), "lanes8")
+    with pytest.raises(ValueError, match="inputs of 64 features"):
+        ck.int8_linear(torch.randn(1, 32), qp, sp)
+
+
+def default_path(has_lanes: bool) -> str:
+    """The path MVLLM_INT8_PATH unset (or unknown) takes: lanes where it builds, else int16."""
+    return "lanes" if has_lanes else "int16"
+
+
 PATH_CHECK = textwrap.dedent("""
     import torch
     from mvllm.kernels import cpu_int8 as ck
@@ -212,8 +286,13 @@ PATH_CHECK = textwrap.dedent("""
     q, s = ck.quantize_weight(torch.randn(304, 896, generator=gen))
     b = torch.randn(304, generator=gen)
     x = torch.randn(7, 896, generator=gen)
-    ref = (x.double() @ ck.dequantize(q, s).double().T + b.double()).float()
-    if ck.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
+    xr = x
+    if ck.layout() == "lanes8":  # int8 activations per group: the reference takes x so rounded
+        g = x.view(7, -1, 32)
+        top = g.abs().amax(-1, keepdim=True)
+        xr = (torch.round(g * (127 / top)) * (top / 127)).view(7, -1)
+    ref = (xr.double() @ ck.dequantize(q, s).double().T + b.double()).float()
+    if ck.packs():  # a lanes path: weights in its layout, as Int8Linear packs them
         q, s = ck.pack(q, s)
     y = ck.int8_linear(x, q, s, b)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -224,7 +303,7 @@ PATH_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("float4", "float"), ("float8", "float"),
-                                       ("lanes", ""), ("nonsense", ""), ("", "")])
+                                       ("lanes", ""), ("lanes8", ""), ("nonsense", ""), ("", "")])
 def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     """MVLLM_INT8_PATH picks the path (read once per process, so one process each): every path agrees with the
     reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 and float8
@@ -235,10 +314,14 @@ def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     assert done.returncode == 0, done.stderr[-2000:]
     packs, dims, named = done.stdout.strip().splitlines()[-1].split(" ", 2)
     has_lanes = machine.x86() and machine.cpu_capability().startswith(("AVX2", "AVX512"))
+    if path in ("lanes", "lanes8") and (has_lanes, ck.has_lanes8())[path == "lanes8"]:
+        name = path
     if not name:
-        name = "lanes" if has_lanes else "int16"
-    assert named.startswith(name), named
-    assert (packs, dims) == (("True", "3") if name == "lanes" else ("False", "2")), (packs, dims)
-    assert ("is not one of int16, float, float4, float8, lanes" in done.stderr) == (path == "nonsense"), done.stderr
+        name = default_path(has_lanes)
+    first = named.split(" ")[0]
+    assert first == name or (name == "float" and first in ("float4", "float8")), named
+    assert (packs, dims) == (("True", "3") if name.startswith("lanes") else ("False", "2")), (packs, dims)
+    assert ("is not one of int16, float, float4, float8, lanes, lanes8" in done.stderr) == (path == "nonsense"), \
+        done.stderr
     if path in ("float4", "float8"):
         assert (path in named) == ("AVX-512" in named), named

@@ -63,14 +63,20 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(out, groups, inputs // groups) * scales[..., None]).reshape(out, inputs)
 
 
-PATHS = ("int16", "float", "float4", "float8", "lanes")
+PATHS = ("int16", "float", "float4", "float8", "lanes", "lanes8")
 LANE_OUTS = 16  # outputs a tile of the lanes layout
 
 
 def packs() -> bool:
-    """Whether Int8Linear packs its weights in the lanes layout (the kernel's path here takes it): builds the
+    """Whether Int8Linear packs its weights in a lanes layout (the kernel's path here takes one): builds the
     kernel on first use; False where it is unavailable."""
-    return available() and torch.ops.mvllm_int8.packs(GROUP)
+    return bool(layout())
+
+
+def layout() -> str:
+    """The layout the kernel's path here packs weights in: "lanes8" (int8 activations, AVX-512 VNNI), "lanes"
+    (int16 activations, AVX2 or AVX-512BW) or "" (they stay [out, in]; or the kernel is unavailable)."""
+    return torch.ops.mvllm_int8.layout(GROUP) if available() else ""
 
 
 def has_lanes() -> bool:
@@ -78,29 +84,42 @@ def has_lanes() -> bool:
     return available() and torch.ops.mvllm_int8.has_lanes()
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [out, in], scales [out, groups]) -> the lanes layout (csrc/int8_linear.cpp): q [out / 16, groups,
-    16 * group] with each group's inputs in pairs for 16 outputs, scales float16 [out / 16, groups, 16].
-    int8_linear takes either layout."""
+def has_lanes8() -> bool:
+    """Whether this build has the lanes8 kernel (AVX-512 VNNI), whichever path MVLLM_INT8_PATH picks."""
+    return available() and torch.ops.mvllm_int8.has_lanes8()
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [out, in], scales [out, groups]) -> a lanes layout (csrc/int8_linear.cpp), `kind` "lanes" or "lanes8"
+    (default: layout(), else "lanes"). lanes: q int8 [out / 16, groups, 16 * group], each group's inputs in
+    pairs for 16 outputs; lanes8: q uint8 of that shape, each group's inputs in fours for 16 outputs, every
+    weight plus 128. Both: scales float16 [out / 16, groups, 16]. int8_linear takes any layout."""
+    kind = kind or layout() or "lanes"
+    step = 4 if kind == "lanes8" else 2
     out, inputs = q.shape
     groups = scales.shape[1]
     group = inputs // groups
-    if out % LANE_OUTS or group % 8:
-        raise ValueError(f"the lanes layout needs out_features a multiple of {LANE_OUTS} and groups of a multiple "
-                         f"of 8 inputs, got {out} and {group}")
+    if out % LANE_OUTS or group % (4 * step):
+        raise ValueError(f"the {kind} layout needs out_features a multiple of {LANE_OUTS} and groups of a multiple "
+                         f"of {4 * step} inputs, got {out} and {group}")
     tiles = out // LANE_OUTS
-    qp = q.view(tiles, LANE_OUTS, groups, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    if kind == "lanes8":
+        q = (q.to(torch.int16) + 128).to(torch.uint8)
+    qp = q.view(tiles, LANE_OUTS, groups, group // step, step).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
     half = scales.half()
     if not torch.equal(half.float(), scales):
-        raise ValueError("the lanes layout stores scales in float16: quantize_weight's scales are")
+        raise ValueError("the lanes layouts store scales in float16: quantize_weight's scales are")
     return qp.contiguous(), half.view(tiles, LANE_OUTS, groups).transpose(1, 2).contiguous()
 
 
 def unpack(qp: torch.Tensor, sp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pack's inverse."""
+    """pack's inverse (either layout: lanes8's q is uint8)."""
     tiles, groups, width = qp.shape
     group = width // LANE_OUTS
-    q = qp.view(tiles, groups, group // 2, LANE_OUTS, 2).permute(0, 3, 1, 2, 4).reshape(tiles * LANE_OUTS, -1)
+    step = 4 if qp.dtype == torch.uint8 else 2
+    q = qp.view(tiles, groups, group // step, LANE_OUTS, step).permute(0, 3, 1, 2, 4).reshape(tiles * LANE_OUTS, -1)
+    if qp.dtype == torch.uint8:
+        q = (q.to(torch.int16) - 128).to(torch.int8)
     return q.contiguous(), sp.float().transpose(1, 2).reshape(tiles * LANE_OUTS, groups).contiguous()
 
 
@@ -145,7 +164,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"int8_linear takes float32 inputs of {inputs} features, got {x.dtype} "
                          f"with {x.shape[-1]} inputs")
     if check and scales.dtype != (torch.float16 if lanes else torch.float32):
-        raise ValueError(f"int8_linear's scales are float16 in the lanes layout (pack), else float32; got "
+        raise ValueError(f"int8_linear's scales are float16 in the lanes layouts (pack), else float32; got "
                          f"{scales.dtype}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if available():

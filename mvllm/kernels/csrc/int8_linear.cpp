@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -43,13 +44,18 @@ struct Problem {
   const float* xs;
   const int8_t* q;
   const float* scales;
-  const uint16_t* scales16;  // the lanes layout's scales, float16
+  const uint16_t* scales16;  // the lanes layouts' scales, float16
+  const uint8_t* q8;         // the lanes8 layout's weights, offset by 128 (else null)
+  const int8_t* x8;          // lanes8: x in int8, one scale (x8s) and one offset term (x8c) per row and group
+  const float* x8s;
+  const int32_t* x8c;
   const float* bias;
   float* y;
   int64_t rows, in, out, group;
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
+  bool lanes8 = false;        // q8 and scales are in the lanes8 layout
   int64_t groups() const { return in / group; }
 };
 
@@ -328,6 +334,12 @@ int64_t prefetch_hint() {
   static const int64_t n = env_int("MVLLM_INT8_HINT", 0, 0, 2);
   return n;
 }
+// MVLLM_INT8_CHUNKS: 0 (the default) gives each thread one contiguous range of a call's outputs; N > 0 cuts them
+// in about N chunks a thread, which threads claim as they finish (run, below).
+int64_t chunks_per_thread() {
+  static const int64_t n = env_int("MVLLM_INT8_CHUNKS", 0, 0, 64);
+  return n;
+}
 int64_t prefetch_bytes() {
   static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64;
   return n;
@@ -474,6 +486,106 @@ void lanes(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles
 void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
+// The lanes8 layout: int8 activations, AVX-512 VNNI (vpdpbusd: 4 unsigned x 4 signed bytes into each int32
+// lane). Tiles of 16 outputs as in the lanes layout, but each group's inputs in fours: q[t, g, (k / 4) * 64 + o * 4
+// + k % 4] = w[16 t + o, g * group + k] + 128, as uint8 (cpu_int8.pack). One 64-byte load is 4 inputs x 16
+// outputs, and one vpdpbusd per activation row applies them, the row's 4 int8 inputs broadcast: half the
+// instructions a weight of the lanes layout (one load and one multiply-add for 64 weights, against a load, a
+// widening and a multiply-add for 32), with no widening. Each row is rounded to int8 per group of inputs, with
+// one scale per row and group (absmax / 127, as llama.cpp's Q8_0 activations); the offset's 128 * sum(x) per row
+// and group (x8c) is taken off each group's int32 sum, which is exact, so a row's result does not depend on its
+// batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kHasLanes8 = true;
+
+inline int32_t quad(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+template <int R>
+void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent accumulators a row: 4 * A inputs a step
+  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
+  const uint8_t* w = p.q8 + t * kLaneOuts * p.in;
+  const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = p.x8 + (r0 + r) * p.in;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_si512();
+    if (ahead)
+      for (int64_t b = 0; b < kLaneOuts * group; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + b), _MM_HINT_T0);
+    for (int64_t k = 0; k < group; k += 4 * A)
+      for (int a = 0; a < A; ++a) {
+        const __m512i wv = _mm512_loadu_si512(w + (k + 4 * a) * kLaneOuts);
+        for (int r = 0; r < R; ++r)
+          acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], wv, _mm512_set1_epi32(quad(x[r] + k + 4 * a)));
+      }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kLaneOuts)));
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = acc[r][0];
+      for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[r][a]);
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(p.x8c[(r0 + r) * ng + g]));
+      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x8s[(r0 + r) * ng + g]));
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total[r]);
+      x[r] += group;
+    }
+    w += kLaneOuts * group;
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 v = total[r];
+    if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
+    _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
+  }
+}
+
+template <int R = 1>
+void lanes8_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
+  if constexpr (R <= kMaxLaneRows) {
+    if (rows == R) return lanes8_block<R>(p, r0, t);
+    lanes8_rows<R + 1>(p, r0, rows, t);
+  }
+}
+
+void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
+  for (int64_t t = t0; t < t0 + tiles; ++t)
+    for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
+      lanes8_rows(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
+}
+
+// x rows [begin, end) -> int8 per group: x8 = round(x / s) with s = absmax(group) / 127 (0 for a zero group),
+// and the offset term 128 * sum(x8) of each row and group. The group is a multiple of 16.
+void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64_t begin, int64_t end) {
+  const int64_t ng = p.groups();
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* x = p.x + r * p.in + g * p.group;
+      int8_t* out = xq + r * p.in + g * p.group;
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t i = 0; i < p.group; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+      const float top = _mm512_reduce_max_ps(m), inv = top > 0.f ? 127.f / top : 0.f;
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t i = 0; i < p.group; i += 16) {  // round to nearest even; |x * inv| <= 127
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+        sum = _mm512_add_epi32(sum, v);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtsepi32_epi8(v));
+      }
+      xs[r * ng + g] = top > 0.f ? top / 127.f : 0.f;
+      xc[r * ng + g] = 128 * _mm512_reduce_add_epi32(sum);
+    }
+}
+#else
+constexpr bool kHasLanes8 = false;
+void lanes8(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
+void quantize_groups(const Problem&, int8_t*, float*, int32_t*, int64_t, int64_t) {}
+#endif
+
 // x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
 void quantize_rows(const Problem& p, int16_t* xq, float* xs, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
@@ -523,7 +635,7 @@ struct Avx512 {
 // else: the default, lanes where it is built (AVX2 or AVX-512BW: on the H200 machine's Xeon 0.71-0.94x float4's
 // time at 1-8 rows and 8 threads; on the AVX2 machine 0.81-0.86x int16's), int16 elsewhere (NEON, plain loops).
 // A packed q (3-D) always takes the lanes kernel.
-enum class Path { kInt16, kFloat, kFloat4, kFloat8, kLanes };
+enum class Path { kInt16, kFloat, kFloat4, kFloat8, kLanes, kLanes8 };
 Path path() {
   static const Path chosen = [] {
     const char* env = std::getenv("MVLLM_INT8_PATH");
@@ -533,6 +645,7 @@ Path path() {
     if (v == "float4") return Path::kFloat4;
     if (v == "float8") return Path::kFloat8;
     if (v == "lanes" && kHasLanes) return Path::kLanes;
+    if (v == "lanes8" && kHasLanes8) return Path::kLanes8;
     if (kHasLanes) return Path::kLanes;
     return Path::kInt16;
   }();
@@ -550,11 +663,14 @@ int64_t ahead_blocks() {
 bool interleaved() { return path() == Path::kFloat4 || path() == Path::kFloat8; }
 #endif
 bool int16_rows(int64_t group) { return path() == Path::kInt16 && group % kStep == 0; }
-// Whether weights of this group size are packed in the lanes layout at load (cpu_int8.pack asks).
-bool packs(int64_t group) { return path() == Path::kLanes && group % 8 == 0; }
+// Whether weights of this group size are packed in a lanes layout at load, and in which (cpu_int8.pack asks).
+bool packs8(int64_t group) { return path() == Path::kLanes8 && group % 16 == 0; }
+bool packs(int64_t group) { return packs8(group) || (path() == Path::kLanes && group % 8 == 0); }
+std::string layout(int64_t group) { return packs8(group) ? "lanes8" : packs(group) ? "lanes" : ""; }
 
 // The path a call with this group size takes, and its instructions: what the profile records.
 std::string path_name(int64_t group) {
+  if (packs8(group)) return "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector)";
   if (packs(group)) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return "lanes (int16, AVX-512 VNNI vpdpwssd, 16 outputs a vector)";
@@ -630,6 +746,7 @@ void block_interleaved(const Problem& p, int64_t r0, int64_t rows, int64_t o0, i
 #endif
 
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
+  if (p.lanes8) return lanes8(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.lanes) return lanes(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
 #if defined(__AVX512F__)
@@ -648,13 +765,28 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 // y[r, o] depends only on the input size, so a request's result does not depend on what shares its batch.
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
-  const int64_t tile = p.xq ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in)) : kRowTile;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainOuts / p.block), [&](int64_t begin, int64_t end) {
+  const int64_t tile = p.xq ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
+                       : p.x8 ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
+                              : kRowTile;
+  const auto body = [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += tile)
       for (int64_t b = begin; b < end; ++b) {
         const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
         block(p, r0, std::min(tile, p.rows - r0), o0, outs);
       }
+  };
+  const int64_t grain = std::max<int64_t>(1, kGrainOuts / p.block);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
+  const int64_t per = chunks_per_thread();
+  if (per == 0 || threads <= 1) return at::parallel_for(0, blocks, grain, body);
+  // MVLLM_INT8_CHUNKS: per chunks a thread, claimed in order from one counter (as ggml's mul_mat does), so a
+  // thread that runs slow (a busy core, a sibling hyperthread) takes fewer instead of holding up the call.
+  const int64_t chunk = std::max(grain, blocks / (threads * per)), chunks = (blocks + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      body(c * chunk, std::min(blocks, (c + 1) * chunk));
   });
 }
 
@@ -663,17 +795,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.is_cpu() && q.is_cpu() && scales.is_cpu(), "int8_linear runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [rows, in]");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8");
-  const bool packed = q.dim() == 3;  // lanes: q [out / 16, groups, 16 * group], scales [out / 16, groups, 16]
+  // lanes: q int8 [out / 16, groups, 16 * group]; lanes8: the same shape in uint8; scales [out / 16, groups, 16]
+  const bool packed = q.dim() == 3, quads = packed && q.scalar_type() == at::kByte;
+  TORCH_CHECK((q.scalar_type() == at::kChar || quads) && q.is_contiguous(),
+              "q: contiguous int8 (uint8 in the lanes8 layout)");
   TORCH_CHECK(scales.scalar_type() == (packed ? at::kHalf : at::kFloat) && scales.is_contiguous(),
-              "scales: contiguous, float16 in the lanes layout, else float32");
+              "scales: contiguous, float16 in the lanes layouts, else float32");
   int64_t rows = x.size(0), in = x.size(1), out, groups;
   if (packed) {
-    TORCH_CHECK(kHasLanes, "q is in the lanes layout, which this build (no AVX2 or AVX-512BW) does not have");
+    TORCH_CHECK(quads ? kHasLanes8 : kHasLanes, "q is in the ", quads ? "lanes8" : "lanes",
+                " layout, which this build (", quads ? "no AVX-512 VNNI" : "no AVX2 or AVX-512BW", ") does not have");
+    const int64_t multiple = quads ? 16 : 8;
     TORCH_CHECK(scales.dim() == 3 && scales.size(0) == q.size(0) && scales.size(1) == q.size(1) &&
-                    scales.size(2) == kLaneOuts && q.size(2) % (8 * kLaneOuts) == 0,
-                "lanes layout: q [tiles, groups, 16 * group] with a group of a multiple of 8, scales [tiles, "
-                "groups, 16]");
+                    scales.size(2) == kLaneOuts && q.size(2) % (multiple * kLaneOuts) == 0,
+                "lanes layouts: q [tiles, groups, 16 * group] with a group of a multiple of ", multiple,
+                ", scales [tiles, groups, 16]");
     out = q.size(0) * kLaneOuts, groups = q.size(1);
     TORCH_CHECK(q.size(1) * q.size(2) / kLaneOuts == in, "q has ", q.size(1) * q.size(2) / kLaneOuts,
                 " inputs, x has ", in);
@@ -691,16 +827,26 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     bias_ptr = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({rows, out}, x.options());
-  Problem p{x.data_ptr<float>(), nullptr, nullptr, q.data_ptr<int8_t>(),
+  Problem p{x.data_ptr<float>(), nullptr, nullptr, quads ? nullptr : q.data_ptr<int8_t>(),
             packed ? nullptr : scales.data_ptr<float>(),
-            packed ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr, bias_ptr,
+            packed ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr,
+            quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
-  p.lanes = packed;
+  p.lanes = packed && !quads;
+  p.lanes8 = quads;
   if (packed) p.block = kLaneOuts * lane_tiles();
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
-  at::Tensor xq, xs;
-  if (packed || int16_rows(p.group)) {
+  at::Tensor xq, xs, xc;
+  if (quads) {
+    xq = at::empty({rows, in}, x.options().dtype(at::kChar));
+    xs = at::empty({rows, groups}, x.options());
+    xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      quantize_groups(p, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xc.data_ptr<int32_t>(), begin, end);
+    });
+    p.x8 = xq.data_ptr<int8_t>(), p.x8s = xs.data_ptr<float>(), p.x8c = xc.data_ptr<int32_t>();
+  } else if (packed || int16_rows(p.group)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
     xs = at::empty({rows}, x.options());
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -720,4 +866,6 @@ TORCH_LIBRARY(mvllm_int8, m) {
   m.def("path(int group) -> str", &path_name);
   m.def("packs(int group) -> bool", &packs);
   m.def("has_lanes() -> bool", [] { return kHasLanes; });
+  m.def("has_lanes8() -> bool", [] { return kHasLanes8; });
+  m.def("layout(int group) -> str", &layout);
 }
