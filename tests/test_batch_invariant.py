@@ -57,13 +57,13 @@ def test_a_decode_row_beside_a_prefill_gets_what_it_gets_alone(invariant):
                                  threads=1, num_blocks=64))
     assert engine.runner.layout == "fused"
     a = [(5 * k) % 400 + 1 for k in range(13)]
-    b = [(3 * k) % 400 + 2 for k in range(30)]
+    b = [(3 * k) % 400 + 2 for k in range(40)]
     hidden_rows(engine, [(a[:12], 0)])  # A's first 12 tokens into its cache
     alone = hidden_rows(engine, [(a, 12)])[0]  # A decodes its 13th token alone: one row
-    beside = hidden_rows(engine, [(a, 12), (b, 0)])[0]  # the same, beside B's 30-token prefill
+    beside = hidden_rows(engine, [(a, 12), (b, 0)])[0]  # the same, beside B's 40-token prefill
     if invariant:
         assert torch.equal(alone, beside)
-    else:  # off: the 31-row step runs the GEMM, not the kernel (what the test would catch)
+    else:  # off: the 41-row step (above every kernel row limit) runs the GEMM (what the test would catch)
         assert not torch.equal(alone, beside)
 
 

@@ -159,14 +159,14 @@ def lanes(kernel):
 def test_lanes_layout_round_trips_and_rejects_odd_outputs():
     gen = torch.Generator().manual_seed(6)
     q, scales = ck.quantize_weight(torch.randn(48, 96, generator=gen))
-    qp, sp = ck.pack(q, scales)
+    qp, sp = ck.pack(q, scales, "lanes")
     assert qp.shape == (3, 3, 16 * 32) and sp.shape == (3, 3, 16) and sp.dtype == torch.float16
     assert qp[1, 2, 2 * 16 + 2 * 5 + 1] == q[16 + 5, 2 * 32 + 3]  # input pair 1 of group 2, output 5, odd input
     assert all(torch.equal(a, b) for a, b in zip(ck.unpack(qp, sp), (q, scales)))
     with pytest.raises(ValueError, match="multiple of 16"):
-        ck.pack(*ck.quantize_weight(torch.randn(40, 96, generator=gen)))
+        ck.pack(*ck.quantize_weight(torch.randn(40, 96, generator=gen)), "lanes")
     with pytest.raises(ValueError, match="multiple of 8 inputs, got 32 and 4"):
-        ck.pack(*ck.quantize_weight(torch.randn(32, 96, generator=gen), group=4))
+        ck.pack(*ck.quantize_weight(torch.randn(32, 96, generator=gen), group=4), "lanes")
 
 
 @pytest.mark.parametrize("out,inputs", [(64, 896), (1152, 896), (896, 4864), (32, 64)])
@@ -177,7 +177,7 @@ def test_lanes_kernel_matches_and_is_batch_invariant(lanes, out, inputs):
     gen = torch.Generator().manual_seed(out + inputs)
     q, scales = ck.quantize_weight(torch.randn(out, inputs, generator=gen))
     bias = torch.randn(out, generator=gen)
-    qp, sp = ck.pack(q, scales)
+    qp, sp = ck.pack(q, scales, "lanes")
     x = torch.randn(20, inputs, generator=gen)
     y = ck.int8_linear(x, qp, sp, bias)
     ref = reference(x, q, scales, bias)
@@ -192,12 +192,12 @@ def test_lanes_integer_activations_are_exact(lanes):
     x = torch.randint(-32767, 32768, (3, 896), generator=gen).float()
     x[:, 5] = 32767.0
     ref = reference(x, q, scales)
-    y = ck.int8_linear(x, *ck.pack(q, scales))
+    y = ck.int8_linear(x, *ck.pack(q, scales, "lanes"))
     torch.testing.assert_close(y, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
 
 
 def test_lanes_layout_checks_its_input_size(lanes):
-    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)))
+    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)), "lanes")
     with pytest.raises(ValueError, match="inputs of 64 features"):
         ck.int8_linear(torch.randn(1, 32), qp, sp)
     with pytest.raises(ValueError, match="scales are float16 in the lanes layout"):
@@ -274,8 +274,9 @@ def test_lanes8_layout_checks_its_input_size(lanes8):
 
 
 def default_path(has_lanes: bool) -> str:
-    """The path MVLLM_INT8_PATH unset (or unknown) takes: lanes where it builds, else int16."""
-    return "lanes" if has_lanes else "int16"
+    """The path MVLLM_INT8_PATH unset (or unknown) takes: lanes8 where it builds (AVX-512 VNNI), else lanes
+    (AVX2, AVX-512BW), else int16."""
+    return "lanes8" if ck.has_lanes8() else "lanes" if has_lanes else "int16"
 
 
 PATH_CHECK = textwrap.dedent("""
@@ -307,8 +308,9 @@ PATH_CHECK = textwrap.dedent("""
 def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     """MVLLM_INT8_PATH picks the path (read once per process, so one process each): every path agrees with the
     reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 and float8
-    are AVX-512's interleaved float paths, the plain float path elsewhere). Unset or unknown: the default, lanes
-    where it is built (AVX2 or AVX-512: the weights are then packed in its layout), int16 elsewhere."""
+    are AVX-512's interleaved float paths, the plain float path elsewhere). Unset or unknown: the default
+    (default_path: the weights are then packed in a lanes layout where it has one); lanes8 where it is not built
+    falls back to lanes."""
     env = {**os.environ, "MVLLM_INT8_PATH": path}
     done = subprocess.run([sys.executable, "-c", PATH_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,7 +9,7 @@ import torch
 from mvllm.engine import quant
 from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.params import SamplingParams
-from mvllm.kernels import cpu_layers
+from mvllm.kernels import cpu_int8, cpu_layers
 from tests.test_batch_invariant import hidden_rows
 
 pytestmark = pytest.mark.skipif(not cpu_layers.available(), reason=f"no C++ layer loop here: "
@@ -50,10 +50,13 @@ def test_hidden_states_and_cache_match_the_python_loop(model):
 
 def test_prefill_above_the_kernel_rows_takes_the_python_loop():
     """Without batch_invariant, more than PACKED_MAX_ROWS tokens (LANES_MAX_ROWS where every linear is in the
-    lanes layout) go to the GEMM (in Python); invariant, every batch size takes the C++ loop."""
+    lanes layout, LANES8_MAX_ROWS in lanes8) go to the GEMM (in Python); invariant, every batch size takes the
+    C++ loop."""
     model = engine("synthetic:tiny-qwen2").model
-    lanes = all(m.q.dim() == 3 for m in model.modules() if isinstance(m, quant.Int8Linear))
-    rows = quant.LANES_MAX_ROWS if lanes else quant.PACKED_MAX_ROWS
+    qs = [m.q for m in model.modules() if isinstance(m, quant.Int8Linear)]
+    rows = min(quant.max_rows(q) for q in qs)
+    if all(q.dim() == 3 for q in qs):  # every linear packed in this machine's layout
+        assert rows == {"lanes8": quant.LANES8_MAX_ROWS, "lanes": quant.LANES_MAX_ROWS}[cpu_int8.layout()]
     assert model.cpu_layers.serves(rows) and not model.cpu_layers.serves(rows + 1)
     assert engine("synthetic:tiny-qwen2", invariant=True).model.cpu_layers.serves(500)
 

@@ -1,8 +1,9 @@
 """CPU modes: how a CPU backend holds its weights and which kernels run them.
 
 - `int8w` (accurate): int8 weights in groups of 32 input columns, one scale each (a float16 value), float32
-  activations. Decode-sized batches (up to PACKED_MAX_ROWS tokens, LANES_MAX_ROWS where the weights are packed
-  in the kernel's lanes layout: AVX2 or AVX-512) run mvllm's int8 kernel (kernels/cpu_int8.py),
+  activations. Decode-sized batches (up to PACKED_MAX_ROWS tokens; LANES_MAX_ROWS where the weights are packed
+  in the kernel's lanes layout, AVX2 or AVX-512; LANES8_MAX_ROWS in its lanes8 layout, AVX-512 VNNI) run
+  mvllm's int8 kernel (kernels/cpu_int8.py),
   which reads each weight byte once per step: a quarter of float32's bytes. Prefill-sized batches run
   oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16), or with
   batch_invariant=on the int8 kernel too, so a row's result never depends on its batch mates.
@@ -40,6 +41,10 @@ PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it t
 # took 0.61-0.83x its time at 8 threads and 0.36-0.76x at 16; 20 rows 0.97-1.18x at 8. On the AVX2 machine
 # (float32 GEMM): 0.82x at 32 rows, 1.0x at 64.
 LANES_MAX_ROWS = 16
+# ... and this many in the lanes8 layout (int8 activations, AVX-512 VNNI). Against the GEMM on the Xeon (same tool,
+# one call, commit f8eca13, the GEMM timed in each path's process): 32 rows took 0.80-0.93x its time at 8 threads
+# and 0.36-0.59x at 16; 64 rows 1.11-1.31x at 8 threads.
+LANES8_MAX_ROWS = 32
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")
 
@@ -59,9 +64,9 @@ class Int8Linear(nn.Module):
         if not invariant:
             self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
             self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
-        if cpu_int8.packs() and self.out_features % cpu_int8.LANE_OUTS == 0:  # the kernel's lanes layout
+        if cpu_int8.packs() and self.out_features % cpu_int8.LANE_OUTS == 0:  # the kernel's lanes layouts
             self.q, self.scales = cpu_int8.pack(q, scales)
-            self.kernel_rows = max(self.kernel_rows, LANES_MAX_ROWS)
+            self.kernel_rows = max(self.kernel_rows, max_rows(self.q))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -70,6 +75,13 @@ class Int8Linear(nn.Module):
         else:
             y = self.gemm(rows.to(self.wide)).float()
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def max_rows(q: torch.Tensor) -> int:
+    """The most tokens a step sends through the int8 kernel for weights in q's layout (above: the GEMM)."""
+    if q.dim() == 3:
+        return LANES8_MAX_ROWS if q.dtype == torch.uint8 else LANES_MAX_ROWS
+    return PACKED_MAX_ROWS
 
 
 class PackedLinear(nn.Module):

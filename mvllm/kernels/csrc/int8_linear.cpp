@@ -646,6 +646,8 @@ Path path() {
     if (v == "float8") return Path::kFloat8;
     if (v == "lanes" && kHasLanes) return Path::kLanes;
     if (v == "lanes8" && kHasLanes8) return Path::kLanes8;
+    if (v == "lanes" || v == "lanes8") return kHasLanes ? Path::kLanes : Path::kInt16;
+    if (kHasLanes8) return Path::kLanes8;
     if (kHasLanes) return Path::kLanes;
     return Path::kInt16;
   }();
