@@ -1,9 +1,10 @@
 """Where a CPU decode step's time goes: one backend's engine decodes at a given context under torch.profiler,
 and the table gives each op's self time per step (mvllm's int8 and fused kernels are ops of their own), their
-sum, and the step's wall time; what is left is Python and dispatch between the ops.
+sum, and the step's wall time; what is left is Python and dispatch between the ops. --prefill: each step is
+instead the cold prefill of a fresh prompt of --context tokens (distinct tokens each time: no prefix hits).
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
-        [--python-loop]
+        [--python-loop] [--prefill]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--quant", default=None)
     ap.add_argument("--python-loop", action="store_true", help="int8w: the layers from Python, not csrc/layers.cpp")
+    ap.add_argument("--prefill", action="store_true", help="time cold prefills of --context tokens, not decode")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.python_loop:
@@ -44,20 +46,34 @@ def main() -> None:
         engine.step()
     for _ in range(a.steps):  # warm
         engine.step()
+    fresh = iter(range(1, 10**6))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def step() -> None:
+        if a.prefill:  # a fresh prompt, prefilled in one step, done after its first token
+            n = next(fresh)
+            engine.add_request([(n * 131 + 17 * k) % 5000 + 1 for k in range(a.context)], one)
+        engine.step()
+
+    if a.prefill:
+        for s in seqs:
+            engine.abort(s.request_id)
+        for _ in range(2):
+            step()
     walls = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             t = time.perf_counter()
-            engine.step()
+            step()
             walls.append(time.perf_counter() - t)
     plain = []
     for _ in range(a.steps):
         t = time.perf_counter()
-        engine.step()
+        step()
         plain.append(time.perf_counter() - t)
     by_op: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
-        if e.key.startswith(("mvllm", "aten::")) and e.self_cpu_time_total > 0:
+        if e.key.startswith(("mvllm", "aten::", "mkldnn::")) and e.self_cpu_time_total > 0:
             by_op[e.key] += e.self_cpu_time_total / 1000 / a.steps
     top = sorted(by_op.items(), key=lambda kv: -kv[1])
     ops_ms = sum(by_op.values())
@@ -66,7 +82,8 @@ def main() -> None:
     from mvllm.kernels import cpu_int8
 
     path = cpu_int8.build_info().get("path", "-") if engine.config.quant == "int8w" else "-"
-    print(f"{a.model} cpu threads={a.threads} batch={a.batch} context~{a.context} quant={engine.config.quant} "
+    kind = f"cold prefill of {a.context}" if a.prefill else f"batch={a.batch} context~{a.context}"
+    print(f"{a.model} cpu threads={a.threads} {kind} quant={engine.config.quant} "
           f"({path}): "
           f"step {bare:.2f} ms ({wall:.2f} under the profiler), ops {ops_ms:.2f} ms")
     for name, ms in top[:14]:
