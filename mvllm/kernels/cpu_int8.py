@@ -1,5 +1,5 @@
 """Weight-only int8 linear for CPU decode: int8 weights [out, in] with one scale per `group` inputs (a float16
-value, held as float32, or as float16 in the lanes layout), float32 activations. The kernel
+value, held as float32, or as float16 in the lanes layouts), float32 activations in and out. The kernel
 (csrc/int8_linear.cpp) reads each weight byte once per call for all activation rows, so decode (1-16 rows)
 runs near memory bandwidth on 27-28% of float32's bytes.
 
@@ -8,15 +8,19 @@ build fails it returns False and `why_unavailable` says why (one line: the compi
 `int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
 `build_info()`: build.status("int8"), the flags it built with and whether with OpenMP, or its error.
 
-Each activation row is rounded to int16 once per call (one scale per row) and the kernel sums int16 x int8
-products exactly in int32 per group. With AVX2 or AVX-512 (x86) Int8Linear packs its weights at load in the
-lanes layout (`pack`: tiles of 16 outputs, each input pair's 16 weights together, the outputs in the vector
-lanes, float16 scales in an array of the same order); elsewhere (NEON, plain loops) the weights stay [out, in]
-and one row streams at a time. Either way it builds on any CPU, and quant.cpu_mode picks int8w wherever it
-builds. MVLLM_INT8_PATH=lanes|int16|float|float4|float8
-forces a path, for same-run comparisons (csrc/int8_linear.cpp; any other value: one line on stderr, and the
-default). On SmolLM2's real weights the lanes layout keeps mean KL 0.0011, top-1 98.1% against float32 (a
-2-vCPU AVX2 machine; results/profile/dev2core-lanes-accuracy.json).
+The kernel's path decides how activations are rounded and how Int8Linear packs its weights at load (`layout`):
+- lanes8, the default with AVX-512 VNNI: each row rounded to int8 per group of 32 inputs (one scale each, as
+  llama.cpp's Q8_0 activations), the weights packed in tiles of 16 outputs with each group's inputs in fours,
+  plus 128, as uint8; one vpdpbusd a row applies 64 weights. On SmolLM2's real weights mean KL 0.0036 against
+  float32 where lanes gave 0.0011 (top-1 96.5% both; a 2-vCPU AMD EPYC with AVX-512 VNNI,
+  results/profile/dev2core-lanes8-accuracy.json);
+- lanes, the default with AVX2 (or AVX-512 without VNNI): each row rounded to int16 (one scale a row), the
+  weights in tiles of 16 outputs with each input pair's 16 weights together, float16 scales in an array of
+  the same order;
+- int16 elsewhere (NEON, plain loops): the weights stay [out, in] and one row streams at a time.
+Every path sums each group exactly in int32. It builds on any CPU, and quant.cpu_mode picks int8w wherever it
+builds. MVLLM_INT8_PATH=lanes8|lanes|int16|float|float4|float8 forces a path, for same-run comparisons
+(csrc/int8_linear.cpp; any other value: one line on stderr, and the default).
 """
 
 from __future__ import annotations

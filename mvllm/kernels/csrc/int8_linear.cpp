@@ -335,7 +335,8 @@ int64_t prefetch_hint() {
   return n;
 }
 // MVLLM_INT8_CHUNKS: 0 (the default) gives each thread one contiguous range of a call's outputs; N > 0 cuts them
-// in about N chunks a thread, which threads claim as they finish (run, below).
+// in about N chunks a thread, which threads claim as they finish (run, below). On the Xeon (one call) 4 chunks a
+// thread stood within the drift of the call's two default runs at 8 and 16 threads, so the default stays.
 int64_t chunks_per_thread() {
   static const int64_t n = env_int("MVLLM_INT8_CHUNKS", 0, 0, 64);
   return n;
@@ -628,13 +629,16 @@ struct Avx512 {
 #endif
 
 // Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py --paths):
-// "lanes" (the lanes layout above; Int8Linear packs its weights for it at load, asking packs()), "int16" (int16
+// "lanes8" (the lanes8 layout: int8 activations per group, AVX-512 VNNI), "lanes" (the lanes layout, int16
+// activations; Int8Linear packs its weights for the path's layout at load, asking layout()), "int16" (int16
 // activations, one weight row at a time, wherever the group is a multiple of kStep), "float" (float32
 // activations, one weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight
 // interleaved weight rows with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Unset or anything
-// else: the default, lanes where it is built (AVX2 or AVX-512BW: on the H200 machine's Xeon 0.71-0.94x float4's
-// time at 1-8 rows and 8 threads; on the AVX2 machine 0.81-0.86x int16's), int16 elsewhere (NEON, plain loops).
-// A packed q (3-D) always takes the lanes kernel.
+// else: the default, lanes8 where it is built (on the H200 machine's Xeon, one call, 8 threads: 0.61-0.85x
+// lanes's time at 1 row, 0.64-0.81x at 4, 0.53-0.63x at 16), else lanes (AVX2 or AVX-512BW without VNNI: on the
+// Xeon 0.71-0.94x float4's time at 1-8 rows and 8 threads; on an AVX2 machine 0.81-0.86x int16's), else int16
+// (NEON, plain loops). lanes8 asked where it is not built gives lanes. A packed q (3-D) always takes its layout's
+// kernel: uint8 lanes8, int8 lanes.
 enum class Path { kInt16, kFloat, kFloat4, kFloat8, kLanes, kLanes8 };
 Path path() {
   static const Path chosen = [] {
@@ -758,13 +762,14 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
   tiles<Float>(p, r0, rows, o0, outs);
 }
 
-// Each thread takes a range of output blocks. A decode step (a few rows) streams each block once for all rows.
-// With more rows (prefill) the thread applies one tile of rows to its whole range before the next tile, so its
-// slice of the weights is read once per tile: kRowTile rows of float activations (their accumulators in
-// registers), or as many int16 rows as fit in kIntRowBytes (the int path's tiles<> walks them 4 at a time per
-// output row, which stays in L1, while the rows' int16 copy stays in L2): at 20 rows, one pass over the weights
-// instead of three. Every row gets the same arithmetic whatever the row count: the accumulation order of
-// y[r, o] depends only on the input size, so a request's result does not depend on what shares its batch.
+// Each thread takes a range of output blocks (or, with MVLLM_INT8_CHUNKS, chunks of them as it finishes). A
+// decode step (a few rows) streams each block once for all rows. With more rows (prefill) the thread applies one
+// tile of rows to its whole range before the next tile, so its slice of the weights is read once per tile:
+// kRowTile rows of float activations (their accumulators in registers), or as many int16 (int8) rows as fit in
+// kIntRowBytes (the int path's tiles<> walks them 4 at a time per output row, which stays in L1, while the rows'
+// copy stays in L2): at 20 rows, one pass over the weights instead of three. Every row gets the same arithmetic
+// whatever the row count: the accumulation order of y[r, o] depends only on the input size, so a request's result
+// does not depend on what shares its batch.
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
   const int64_t tile = p.xq ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
