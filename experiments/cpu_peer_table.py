@@ -1,13 +1,20 @@
 """The table of experiments/cpu_peer.sh: each cell of issue 27 for llama.cpp and mvllm from one call's
 outputs, and mvllm's time over llama.cpp's (below 1: mvllm is faster; for prefill, tok/s the other way).
+With rounds (ROUNDS=N: OUT/round-K), each round's table, and per cell the median of the rounds' values and
+ratios with their range.
 
-    python experiments/cpu_peer_table.py OUT [--json FILE]
+    python experiments/cpu_peer_table.py OUT [--json FILE] [--bundle]
+
+--bundle then folds every other text output under OUT (the peer's and the profile's logs and JSON, each
+round's mvllm.json) into OUT/raw.json by relative path and deletes them, so a device call brings back three
+files (table.json, raw.json and mvllm.json, the first round's where there are rounds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 
@@ -80,19 +87,68 @@ def table(out: Path) -> dict:
                     "steps at depth 516. mvllm_over_llama_cpp: mvllm's time over llama.cpp's (below 1: mvllm faster)"}
 
 
+def by_rounds(out: Path) -> dict | None:
+    """OUT/round-K tables, and per cell the median over the rounds (values, ratio, and the ratio's range)."""
+    rounds = sorted(out.glob("round-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not rounds:
+        return None
+    tables = [table(r) for r in rounds]
+    key = ("backend", "cell", "batch", "threads", "depth", "tokens")
+    cells: dict[tuple, list[dict]] = {}
+    for t in tables:
+        for r in t["rows"]:
+            cells.setdefault(tuple(r.get(k) for k in key), []).append(r)
+    rows = []
+    for rs in cells.values():
+        row = {k: rs[0][k] for k in key if k in rs[0]}
+        for k in ("mvllm", "llama_cpp", "mvllm_over_llama_cpp", "decode_steps"):
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            if vals:
+                row[k] = round(statistics.median(vals), 3)
+                if k in ("mvllm_over_llama_cpp", "decode_steps"):
+                    row[f"{k}_range"] = [min(vals), max(vals)]
+        rows.append(row)
+    return {"backends": tables[0]["backends"], "rows": rows, "rounds": [r.name for r in rounds],
+            "round_tables": tables,
+            "rule": tables[0]["rule"] + "; with rounds: the median over the rounds, the ratio's range beside it"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--bundle", action="store_true", help="fold the other outputs into OUT/raw.json")
     a = ap.parse_args()
-    t = table(a.out)
+    t = by_rounds(a.out) or table(a.out)
+    if "rounds" in t:
+        print(f"median of {len(t['rounds'])} rounds (range of the ratio)")
     print(f"{'backend':<10} {'cell':<8} {'batch':>5} {'threads':>7} {'n':>5} {'mvllm':>9} {'llama.cpp':>9} {'ratio':>6}")
     for r in t["rows"]:
         n = r.get("depth", r.get("tokens"))
         ratio = r.get("mvllm_over_llama_cpp", r.get("decode_steps"))
+        spread = r.get("mvllm_over_llama_cpp_range", r.get("decode_steps_range"))
         print(f"{r['backend']:<10} {r['cell']:<8} {r['batch']:>5} {r['threads']:>7} {n:>5} {r['mvllm']:>9} "
-              f"{'-' if r['llama_cpp'] is None else r['llama_cpp']:>9} {'-' if ratio is None else ratio:>6}")
+              f"{'-' if r.get('llama_cpp') is None else r['llama_cpp']:>9} {'-' if ratio is None else ratio:>6}"
+              + (f"  ({spread[0]}-{spread[1]})" if spread else ""))
     (a.json or a.out / "table.json").write_text(json.dumps(t, indent=1) + "\n")
+    if a.bundle:
+        bundle(a.out)
+
+
+def bundle(out: Path) -> None:
+    keep = {out / "table.json", out / "raw.json", out / "mvllm.json"}
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p not in keep)
+    if not (out / "mvllm.json").exists() and (out / "round-1" / "mvllm.json").exists():
+        (out / "round-1" / "mvllm.json").replace(out / "mvllm.json")
+        files = [p for p in files if p != out / "round-1" / "mvllm.json"]
+    raw = {str(p.relative_to(out)): p.read_text(errors="replace") for p in files if p.stat().st_size < 4_000_000}
+    (out / "raw.json").write_text(json.dumps({"what": "the call's other outputs, by path under OUT (cpu_peer.sh)",
+                                              "files": raw}, indent=1) + "\n")
+    for p in files:
+        p.unlink()
+    for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(d.iterdir()):
+            d.rmdir()
 
 
 if __name__ == "__main__":
