@@ -462,13 +462,19 @@ void lanes_block(const Problem& p, int64_t r0, int64_t t) {
 #endif
 
 #if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__))
-template <int R = 1>
-void lanes_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
+// K::run<R> for the runtime row count (up to kMaxLaneRows): each count its own instance, accumulators in registers.
+template <class K, int R = 1>
+void lane_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
   if constexpr (R <= kMaxLaneRows) {
-    if (rows == R) return lanes_block<R>(p, r0, t);
-    lanes_rows<R + 1>(p, r0, rows, t);
+    if (rows == R) return K::template run<R>(p, r0, t);
+    lane_rows<K, R + 1>(p, r0, rows, t);
   }
 }
+
+struct Lanes {
+  template <int R>
+  static void run(const Problem& p, int64_t r0, int64_t t) { lanes_block<R>(p, r0, t); }
+};
 
 // Rows [r0, r0 + rows) x tiles [t0, t0 + tiles), kMaxLaneRows rows at a time; with AVX-512 and 1-2 rows,
 // lane_tiles() tiles at once.
@@ -481,7 +487,7 @@ void lanes(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles
 #endif
   for (int64_t t = t0; t < t0 + tiles; ++t)
     for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
-      lanes_rows(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
+      lane_rows<Lanes>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
 #else
 void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
@@ -546,18 +552,15 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
   }
 }
 
-template <int R = 1>
-void lanes8_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
-  if constexpr (R <= kMaxLaneRows) {
-    if (rows == R) return lanes8_block<R>(p, r0, t);
-    lanes8_rows<R + 1>(p, r0, rows, t);
-  }
-}
+struct Lanes8 {
+  template <int R>
+  static void run(const Problem& p, int64_t r0, int64_t t) { lanes8_block<R>(p, r0, t); }
+};
 
 void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
   for (int64_t t = t0; t < t0 + tiles; ++t)
     for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
-      lanes8_rows(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
+      lane_rows<Lanes8>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
 
 // x rows [begin, end) -> int8 per group: x8 = round(x / s) with s = absmax(group) / 127 (0 for a zero group),
