@@ -227,6 +227,8 @@ def test_lanes8_layout_round_trips_and_rejects_odd_groups():
     assert all(torch.equal(a, b) for a, b in zip(ck.unpack(qp, sp), (q, scales)))
     with pytest.raises(ValueError, match="lanes8 layout needs .* multiple of 16 inputs, got 32 and 8"):
         ck.pack(*ck.quantize_weight(torch.randn(32, 96, generator=gen), group=8), "lanes8")
+    with pytest.raises(ValueError, match="the layouts are lanes and lanes8, got 'lanes4'"):
+        ck.pack(q, scales, "lanes4")
 
 
 def test_lanes8_falls_back_without_kernel(monkeypatch):

@@ -1,7 +1,7 @@
 """Weight-only int8 linear for CPU decode: int8 weights [out, in] with one scale per `group` inputs (a float16
 value, held as float32, or as float16 in the lanes layouts), float32 activations in and out. The kernel
-(csrc/int8_linear.cpp) reads each weight byte once per call for all activation rows, so decode (1-16 rows)
-runs near memory bandwidth on 27-28% of float32's bytes.
+(csrc/int8_linear.cpp) reads each weight byte once per call for all activation rows, so decode (up to 32 rows in
+the lanes8 layout, 16 in lanes) runs near memory bandwidth on 27-28% of float32's bytes.
 
 It is built on first use by engine/build.py and cached. `available()` never raises: when the
 build fails it returns False and `why_unavailable` says why (one line: the compiler's first error);
@@ -99,6 +99,8 @@ def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None) -> tupl
     pairs for 16 outputs; lanes8: q uint8 of that shape, each group's inputs in fours for 16 outputs, every
     weight plus 128. Both: scales float16 [out / 16, groups, 16]. int8_linear takes any layout."""
     kind = kind or layout() or "lanes"
+    if kind not in ("lanes", "lanes8"):
+        raise ValueError(f"pack: the layouts are lanes and lanes8, got {kind!r}")
     step = 4 if kind == "lanes8" else 2
     out, inputs = q.shape
     groups = scales.shape[1]
