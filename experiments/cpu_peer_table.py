@@ -5,14 +5,15 @@ ratios with their range.
 
     python experiments/cpu_peer_table.py OUT [--json FILE] [--bundle]
 
---bundle then folds every other text output under OUT (the peer's and the profile's logs and JSON, each
-round's mvllm.json) into OUT/raw.json by relative path and deletes them, so a device call brings back three
-files (table.json, raw.json and mvllm.json, the first round's where there are rounds).
+--bundle then folds every other text output under OUT (the peer's and the profile's logs and JSON, mvllm.json
+included) into OUT/raw.json.gz by relative path and deletes them, so a device call brings back two files
+(table.json and raw.json.gz) and the results tree stays small.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -117,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--bundle", action="store_true", help="fold the other outputs into OUT/raw.json")
+    ap.add_argument("--bundle", action="store_true", help="fold the other outputs into OUT/raw.json.gz")
     a = ap.parse_args()
     t = by_rounds(a.out) or table(a.out)
     if "rounds" in t:
@@ -136,20 +137,17 @@ def main() -> None:
 
 
 def bundle(out: Path) -> None:
-    keep = {out / "table.json", out / "raw.json", out / "mvllm.json"}
+    keep = {out / "table.json", out / "raw.json.gz"}
     files = sorted(p for p in out.rglob("*") if p.is_file() and p not in keep)
-    if not (out / "mvllm.json").exists() and (out / "round-1" / "mvllm.json").exists():
-        (out / "round-1" / "mvllm.json").replace(out / "mvllm.json")
-        files = [p for p in files if p != out / "round-1" / "mvllm.json"]
     raw = {str(p.relative_to(out)): p.read_text(errors="replace") for p in files if p.stat().st_size < 4_000_000}
-    (out / "raw.json").write_text(json.dumps({"what": "the call's other outputs, by path under OUT (cpu_peer.sh)",
-                                              "files": raw}, indent=1) + "\n")
+    body = json.dumps({"what": "the call's other outputs, by path under OUT (cpu_peer.sh)", "files": raw}, indent=1)
+    with gzip.GzipFile(out / "raw.json.gz", "wb", compresslevel=9, mtime=0) as f:
+        f.write(body.encode())
     for p in files:
         p.unlink()
     for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         if not any(d.iterdir()):
             d.rmdir()
-
 
 if __name__ == "__main__":
     main()

@@ -150,10 +150,14 @@ def test_rounding_error_is_within_a_step_of_the_row(kernel):
     assert ((ck.int8_linear(x, q, scales).double() - x.double() @ w.T).abs() <= bound).all()
 
 
+def built(kind: str) -> None:
+    if not (ck.has_lanes8() if kind == "lanes8" else ck.has_lanes()):
+        pytest.skip(f"this build has no {kind} kernel ({'AVX-512 VNNI' if kind == 'lanes8' else 'AVX2 or AVX-512BW'})")
+
+
 @pytest.fixture(scope="module")
 def lanes(kernel):
-    if not ck.has_lanes():
-        pytest.skip("this build has no lanes kernel (it needs AVX2 or AVX-512BW)")
+    built("lanes")
 
 
 def test_lanes_layout_round_trips_and_rejects_odd_outputs():
@@ -186,28 +190,9 @@ def test_lanes_kernel_matches_and_is_batch_invariant(lanes, out, inputs):
         assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), y[:rows]), rows
 
 
-def test_lanes_integer_activations_are_exact(lanes):
-    gen = torch.Generator().manual_seed(3)
-    q, scales = ck.quantize_weight(torch.randn(64, 896, generator=gen))
-    x = torch.randint(-32767, 32768, (3, 896), generator=gen).float()
-    x[:, 5] = 32767.0
-    ref = reference(x, q, scales)
-    y = ck.int8_linear(x, *ck.pack(q, scales, "lanes"))
-    torch.testing.assert_close(y, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
-
-
-def test_lanes_layout_checks_its_input_size(lanes):
-    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)), "lanes")
-    with pytest.raises(ValueError, match="inputs of 64 features"):
-        ck.int8_linear(torch.randn(1, 32), qp, sp)
-    with pytest.raises(ValueError, match="scales are float16 in the lanes layout"):
-        ck.int8_linear(torch.randn(1, 64), qp, sp.float())
-
-
 @pytest.fixture(scope="module")
 def lanes8(kernel):
-    if not ck.has_lanes8():
-        pytest.skip("this build has no lanes8 kernel (it needs AVX-512 VNNI)")
+    built("lanes8")
 
 
 def int8_groups(x, group=ck.GROUP):
@@ -256,23 +241,29 @@ def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
         assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), y[:rows]), rows
 
 
-def test_lanes8_integer_activations_are_exact(lanes8):
-    """A group of integers whose largest magnitude is 127 is its own int8 rounding (scale 1): only the float sum
-    over groups rounds."""
-    gen = torch.Generator().manual_seed(8)
+@pytest.mark.parametrize("kind,top", [("lanes", 32767), ("lanes8", 127)])
+def test_lanes_integer_activations_are_exact(kernel, kind, top):
+    """Integers whose largest magnitude is the layout's step count (a row's for lanes' int16, each group's of 32
+    for lanes8's int8) are their own rounding: only the float sum over groups rounds."""
+    built(kind)
+    gen = torch.Generator().manual_seed(3)
     q, scales = ck.quantize_weight(torch.randn(64, 896, generator=gen))
-    x = torch.randint(-127, 128, (3, 896), generator=gen).float()
-    x[:, ::32] = 127.0
+    x = torch.randint(-top, top + 1, (3, 896), generator=gen).float()
+    x[:, ::32] = float(top)
     x[1, 64:96] = 0.0  # a zero group
     ref = reference(x, q, scales)
-    y = ck.int8_linear(x, *ck.pack(q, scales, "lanes8"))
+    y = ck.int8_linear(x, *ck.pack(q, scales, kind))
     torch.testing.assert_close(y, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
 
 
-def test_lanes8_layout_checks_its_input_size(lanes8):
-    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)), "lanes8")
+@pytest.mark.parametrize("kind", ["lanes", "lanes8"])
+def test_lanes_layouts_check_their_inputs(kernel, kind):
+    built(kind)
+    qp, sp = ck.pack(*ck.quantize_weight(torch.randn(32, 64)), kind)
     with pytest.raises(ValueError, match="inputs of 64 features"):
         ck.int8_linear(torch.randn(1, 32), qp, sp)
+    with pytest.raises(ValueError, match="scales are float16 in the lanes layouts"):
+        ck.int8_linear(torch.randn(1, 64), qp, sp.float())
 
 
 def default_path(has_lanes: bool) -> str:

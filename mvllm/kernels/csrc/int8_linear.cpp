@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -45,7 +44,7 @@ struct Problem {
   const int8_t* q;
   const float* scales;
   const uint16_t* scales16;  // the lanes layouts' scales, float16
-  const uint8_t* q8;         // the lanes8 layout's weights, offset by 128 (else null)
+  const uint8_t* q8;         // the lanes8 layout's weights, offset by 128 (else null: another layout)
   const int8_t* x8;          // lanes8: x in int8, one scale (x8s) and one offset term (x8c) per row and group
   const float* x8s;
   const int32_t* x8c;
@@ -55,7 +54,6 @@ struct Problem {
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
-  bool lanes8 = false;        // q8 and scales are in the lanes8 layout
   int64_t groups() const { return in / group; }
 };
 
@@ -334,13 +332,6 @@ int64_t prefetch_hint() {
   static const int64_t n = env_int("MVLLM_INT8_HINT", 0, 0, 2);
   return n;
 }
-// MVLLM_INT8_CHUNKS: 0 (the default) gives each thread one contiguous range of a call's outputs; N > 0 cuts them
-// in about N chunks a thread, which threads claim as they finish (run, below). On the Xeon (one call) 4 chunks a
-// thread stood within the drift of the call's two default runs at 8 and 16 threads, so the default stays.
-int64_t chunks_per_thread() {
-  static const int64_t n = env_int("MVLLM_INT8_CHUNKS", 0, 0, 64);
-  return n;
-}
 int64_t prefetch_bytes() {
   static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64;
   return n;
@@ -563,8 +554,8 @@ void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tile
       lane_rows<Lanes8>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
 
-// x rows [begin, end) -> int8 per group: x8 = round(x / s) with s = absmax(group) / 127 (0 for a zero group),
-// and the offset term 128 * sum(x8) of each row and group. The group is a multiple of 16.
+// x rows [begin, end) -> int8 per group: x8 = round(x * (127 / absmax(group))), its scale s = absmax / 127 (0 for a
+// zero group), and the offset term 128 * sum(x8) of each row and group. The group is a multiple of 16.
 void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64_t begin, int64_t end) {
   const int64_t ng = p.groups();
   for (int64_t r = begin; r < end; ++r)
@@ -755,7 +746,7 @@ void block_interleaved(const Problem& p, int64_t r0, int64_t rows, int64_t o0, i
 #endif
 
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (p.lanes8) return lanes8(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
+  if (p.q8) return lanes8(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.lanes) return lanes(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
 #if defined(__AVX512F__)
@@ -765,8 +756,7 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
   tiles<Float>(p, r0, rows, o0, outs);
 }
 
-// Each thread takes a range of output blocks (or, with MVLLM_INT8_CHUNKS, chunks of them as it finishes). A
-// decode step (a few rows) streams each block once for all rows. With more rows (prefill) the thread applies one
+// Each thread takes a range of output blocks. A decode step (a few rows) streams each block once for all rows. With more rows (prefill) the thread applies one
 // tile of rows to its whole range before the next tile, so its slice of the weights is read once per tile:
 // kRowTile rows of float activations (their accumulators in registers), or as many int16 (int8) rows as fit in
 // kIntRowBytes (the int path's tiles<> walks them 4 at a time per output row, which stays in L1, while the rows'
@@ -778,25 +768,12 @@ void run(const Problem& p) {
   const int64_t tile = p.xq ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
                        : p.x8 ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
                               : kRowTile;
-  const auto body = [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainOuts / p.block), [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += tile)
       for (int64_t b = begin; b < end; ++b) {
         const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
         block(p, r0, std::min(tile, p.rows - r0), o0, outs);
       }
-  };
-  const int64_t grain = std::max<int64_t>(1, kGrainOuts / p.block);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
-  const int64_t per = chunks_per_thread();
-  if (per == 0 || threads <= 1) return at::parallel_for(0, blocks, grain, body);
-  // MVLLM_INT8_CHUNKS: per chunks a thread, claimed in order from one counter (as ggml's mul_mat does), so a
-  // thread that runs slow (a busy core, a sibling hyperthread) takes fewer instead of holding up the call.
-  const int64_t chunk = std::max(grain, blocks / (threads * per)), chunks = (blocks + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed))
-      body(c * chunk, std::min(blocks, (c + 1) * chunk));
   });
 }
 
@@ -843,7 +820,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed && !quads;
-  p.lanes8 = quads;
   if (packed) p.block = kLaneOuts * lane_tiles();
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
@@ -874,7 +850,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(mvllm_int8, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None) -> Tensor", &int8_linear);
   m.def("path(int group) -> str", &path_name);
-  m.def("packs(int group) -> bool", &packs);
   m.def("has_lanes() -> bool", [] { return kHasLanes; });
   m.def("has_lanes8() -> bool", [] { return kHasLanes8; });
   m.def("layout(int group) -> str", &layout);
