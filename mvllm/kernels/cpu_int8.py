@@ -93,6 +93,12 @@ def has_lanes8() -> bool:
     return available() and torch.ops.mvllm_int8.has_lanes8()
 
 
+def amx() -> bool:
+    """Whether lanes8 calls of 16 rows or more take AMX tiles here: built with AMX (-march=native on a Sapphire
+    Rapids or later Xeon), the tile state granted by Linux, MVLLM_INT8_AMX not 0."""
+    return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
+
+
 def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [out, in], scales [out, groups]) -> a lanes layout (csrc/int8_linear.cpp), `kind` "lanes" or "lanes8"
     (default: layout(), else "lanes"). lanes: q int8 [out / 16, groups, 16 * group], each group's inputs in

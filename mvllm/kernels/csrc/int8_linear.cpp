@@ -16,6 +16,11 @@
 #include <optional>
 #include <string>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #elif defined(__ARM_NEON)
@@ -54,6 +59,7 @@ struct Problem {
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
+  bool amx = false;           // lanes8: blocks of kAmxRows rows take AMX tiles (each thread loads their config)
   int64_t groups() const { return in / group; }
 };
 
@@ -493,6 +499,12 @@ void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 // one scale per row and group (absmax / 127, as llama.cpp's Q8_0 activations); the offset's 128 * sum(x) per row
 // and group (x8c) is taken off each group's int32 sum, which is exact, so a row's result does not depend on its
 // batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
+constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 above gemm_min() rows: 12 accumulators, 12 totals
+// MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
+int64_t gemm_min() {
+  static const int64_t n = env_int("MVLLM_INT8_GEMM_MIN", 8, 1, int64_t{1} << 40);
+  return n;
+}
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kHasLanes8 = true;
 
@@ -543,13 +555,195 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
   }
 }
 
+
+// Rows [r0, r0 + R) x tiles [t0, t0 + T). A step of 4 inputs loads T weight vectors and R broadcasts for R * T
+// vpdpbusd: at 1 tile (decode) R + 1 loads for R, which made many-row calls load-bound; at 4 rows x 3 tiles
+// (kGemmRows x kGemmTiles, above gemm_min() rows) 7 loads for 12. Every (row, output, group) gets the same integer
+// sum and the same float steps whatever R and T, so a row's result does not depend on its batch.
+template <int R, int T>
+void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
+  constexpr int A = R * T == 1 ? 4 : R * T == 2 ? 2 : 1;  // independent accumulators a row and tile
+  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
+  const uint8_t* w[T];
+  const uint16_t* sc[T];
+  for (int j = 0; j < T; ++j) {
+    w[j] = p.q8 + (t0 + j) * kLaneOuts * p.in;
+    sc[j] = p.scales16 + (t0 + j) * kLaneOuts * ng;
+  }
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = p.x8 + (r0 + r) * p.in;
+  __m512 total[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < T; ++j) total[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i acc[R][T][A];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < T; ++j)
+        for (int a = 0; a < A; ++a) acc[r][j][a] = _mm512_setzero_si512();
+    if (ahead)
+      for (int j = 0; j < T; ++j)
+        for (int64_t b = 0; b < kLaneOuts * group; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + b), _MM_HINT_T0);
+    for (int64_t k = 0; k < group; k += 4 * A) {
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) {
+        __m512i wv[T];
+#pragma GCC unroll 4
+        for (int j = 0; j < T; ++j) wv[j] = _mm512_loadu_si512(w[j] + (k + 4 * a) * kLaneOuts);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_set1_epi32(quad(x[r] + k + 4 * a));
+#pragma GCC unroll 4
+          for (int j = 0; j < T; ++j) acc[r][j][a] = _mm512_dpbusd_epi32(acc[r][j][a], wv[j], xv);
+        }
+      }
+    }
+    __m512 s[T];
+    for (int j = 0; j < T; ++j)
+      s[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc[j] + g * kLaneOuts)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i c = _mm512_set1_epi32(p.x8c[(r0 + r) * ng + g]);
+      const __m512 xs = _mm512_set1_ps(p.x8s[(r0 + r) * ng + g]);
+      for (int j = 0; j < T; ++j) {
+        __m512i sum = acc[r][j][0];
+        for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[r][j][a]);
+        sum = _mm512_sub_epi32(sum, c);
+        total[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[j], xs), total[r][j]);
+      }
+      x[r] += group;
+    }
+    for (int j = 0; j < T; ++j) w[j] += kLaneOuts * group;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < T; ++j) {
+      __m512 v = total[r][j];
+      if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t0 + j) * kLaneOuts));
+      _mm512_storeu_ps(p.y + (r0 + r) * p.out + (t0 + j) * kLaneOuts, v);
+    }
+}
+
+// AMX (Sapphire Rapids and later): the lanes8 layout is already AMX's B tile. One tile's group, (group / 4) rows
+// of 64 bytes (4 inputs x 16 outputs), is B; kAmxRows activation rows of the group (int8, row stride `in`) are A;
+// one tdpbsud (A signed, B unsigned) gives the 16 x 16 int32 sums vpdpbusd gives, exactly. They are stored and
+// finished by the same float steps as lanes8_block, so a row's result is the same bits on either path. Used for
+// blocks of kAmxRows rows where the build has AMX, Linux grants the tile state (arch_prctl), the group fits one
+// tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0. Rows left over take lanes8_gemm / lanes8_block.
+constexpr int64_t kAmxRows = 16;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
+constexpr bool kHasAmx = true;
+
+bool amx_permitted() {  // the kernel's permission for this process to use the tile data state
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 3: sums (16 rows x 16 int32); 1: activations (16 rows x group bytes); 2: weights (group / 4 rows).
+void amx_begin(int64_t group) {
+  TileConfig c;
+  for (int t : {0, 3}) c.rows[t] = kAmxRows, c.colsb[t] = 64;
+  c.rows[1] = kAmxRows, c.colsb[1] = static_cast<uint16_t>(group);
+  c.rows[2] = static_cast<uint8_t>(group / 4), c.colsb[2] = 64;
+  _tile_loadconfig(&c);
+}
+void amx_end() { _tile_release(); }
+
+// Group g of rows [r0, r0 + 16) and the tile at w into sum tile C (a literal: GCC's tile intrinsics paste it into
+// the instruction), stored to sums.
+#define MVLLM_AMX_GROUP(C, g, sums)                                 \
+  do {                                                              \
+    _tile_zero(C);                                                  \
+    _tile_loadd(1, p.x8 + r0 * p.in + (g) * p.group, p.in);         \
+    _tile_loadd(2, w + (g) * kLaneOuts * p.group, 64);              \
+    _tile_dpbsud(C, 1, 2);                                          \
+    _tile_stored(C, sums, 64);                                      \
+  } while (0)
+
+void lanes8_amx(const Problem& p, int64_t r0, int64_t t) {
+  const int64_t ng = p.groups();
+  const uint8_t* w = p.q8 + t * kLaneOuts * p.in;
+  const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
+  alignas(64) int32_t sums[2][kAmxRows * kLaneOuts];
+  __m512 total[kAmxRows];
+  for (auto& v : total) v = _mm512_setzero_ps();
+  auto finish_group = [&](int64_t g, const int32_t* c) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kLaneOuts)));
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c + r * kLaneOuts),
+                                           _mm512_set1_epi32(p.x8c[(r0 + r) * ng + g]));
+      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x8s[(r0 + r) * ng + g]));
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total[r]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= ng; g += 2) {  // two sum tiles: the next group's product overlaps this one's float steps
+    MVLLM_AMX_GROUP(0, g, sums[0]);
+    MVLLM_AMX_GROUP(3, g + 1, sums[1]);
+    finish_group(g, sums[0]);
+    finish_group(g + 1, sums[1]);
+  }
+  if (g < ng) {
+    MVLLM_AMX_GROUP(0, g, sums[0]);
+    finish_group(g, sums[0]);
+  }
+  for (int r = 0; r < kAmxRows; ++r) {
+    __m512 v = total[r];
+    if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
+    _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
+  }
+}
+#else
+constexpr bool kHasAmx = false;
+bool amx_permitted() { return false; }
+void amx_begin(int64_t) {}
+void amx_end() {}
+void lanes8_amx(const Problem&, int64_t, int64_t) {}
+#endif
+
+// AMX is used here (built, permitted, not turned off by MVLLM_INT8_AMX=0), for calls with this group.
+bool amx_on(int64_t group) {
+  static const bool on = kHasAmx && env_int("MVLLM_INT8_AMX", 1, 0, 1) == 1 && amx_permitted();
+  return on && group <= 64 && group % 16 == 0;
+}
+
 struct Lanes8 {
   template <int R>
   static void run(const Problem& p, int64_t r0, int64_t t) { lanes8_block<R>(p, r0, t); }
 };
 
+template <int R = 1>
+void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
+  if constexpr (R <= kGemmRows) {
+    if (rows == R) return lanes8_gemm<R, kGemmTiles>(p, r0, t);
+    gemm_rows<R + 1>(p, r0, rows, t);
+  }
+}
+
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles): above gemm_min() rows kGemmTiles tiles at a time, kGemmRows rows
+// at a time; else (and for the tiles left over) one tile, kMaxLaneRows rows at a time.
 void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-  for (int64_t t = t0; t < t0 + tiles; ++t)
+  if (p.amx && rows >= kAmxRows) {
+    const int64_t full = rows / kAmxRows * kAmxRows;
+    for (int64_t t = t0; t < t0 + tiles; ++t)
+      for (int64_t r = r0; r < r0 + full; r += kAmxRows) lanes8_amx(p, r, t);
+    if (full == rows) return;
+    r0 += full, rows -= full;
+  }
+  int64_t t = t0;
+  if (p.rows >= gemm_min())
+    for (; t + kGemmTiles <= t0 + tiles; t += kGemmTiles)
+      for (int64_t r = r0; r < r0 + rows; r += kGemmRows)
+        gemm_rows(p, r, std::min<int64_t>(kGemmRows, r0 + rows - r), t);
+  for (; t < t0 + tiles; ++t)
     for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
       lane_rows<Lanes8>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
@@ -577,6 +771,10 @@ void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64
 }
 #else
 constexpr bool kHasLanes8 = false;
+constexpr int64_t kAmxRows = 16;
+bool amx_on(int64_t) { return false; }
+void amx_begin(int64_t) {}
+void amx_end() {}
 void lanes8(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 void quantize_groups(const Problem&, int8_t*, float*, int32_t*, int64_t, int64_t) {}
 #endif
@@ -670,7 +868,9 @@ std::string layout(int64_t group) { return packs8(group) ? "lanes8" : packs(grou
 
 // The path a call with this group size takes, and its instructions: what the profile records.
 std::string path_name(int64_t group) {
-  if (packs8(group)) return "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector)";
+  if (packs8(group))
+    return amx_on(group) ? "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector; AMX tiles from 16 rows)"
+                         : "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector)";
   if (packs(group)) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return "lanes (int16, AVX-512 VNNI vpdpwssd, 16 outputs a vector)";
@@ -769,11 +969,13 @@ void run(const Problem& p) {
                        : p.x8 ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
                               : kRowTile;
   at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainOuts / p.block), [&](int64_t begin, int64_t end) {
+    if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
     for (int64_t r0 = 0; r0 < p.rows; r0 += tile)
       for (int64_t b = begin; b < end; ++b) {
         const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
         block(p, r0, std::min(tile, p.rows - r0), o0, outs);
       }
+    if (p.amx) amx_end();
   });
 }
 
@@ -820,7 +1022,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed && !quads;
-  if (packed) p.block = kLaneOuts * lane_tiles();
+  p.amx = quads && rows >= kAmxRows && amx_on(p.group);
+  if (packed) p.block = kLaneOuts * (quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs, xc;
@@ -852,5 +1055,6 @@ TORCH_LIBRARY(mvllm_int8, m) {
   m.def("path(int group) -> str", &path_name);
   m.def("has_lanes() -> bool", [] { return kHasLanes; });
   m.def("has_lanes8() -> bool", [] { return kHasLanes8; });
+  m.def("amx(int group) -> bool", &amx_on);
   m.def("layout(int group) -> str", &layout);
 }
