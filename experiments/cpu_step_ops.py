@@ -4,7 +4,10 @@ sum, and the step's wall time; what is left is Python and dispatch between the o
 instead the cold prefill of a fresh prompt of --context tokens (distinct tokens each time: no prefix hits).
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
-        [--python-loop] [--prefill]
+        [--python-loop] [--prefill] [--batch-invariant]
+
+--batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles from 16
+rows where cpu_int8.amx()), never the bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     ap.add_argument("--quant", default=None)
     ap.add_argument("--python-loop", action="store_true", help="int8w: the layers from Python, not csrc/layers.cpp")
     ap.add_argument("--prefill", action="store_true", help="time cold prefills of --context tokens, not decode")
+    ap.add_argument("--batch-invariant", action="store_true", help="int8w: batch_invariant=on (the kernel at any rows)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.python_loop:
@@ -37,7 +41,7 @@ def main() -> None:
 
         cpu_layers.ENABLED = False
     engine = Engine(EngineConfig(model=a.model, device="cpu", threads=a.threads, quant=a.quant,
-                                 max_active=max(4, a.batch)))
+                                 max_active=max(4, a.batch), batch_invariant=a.batch_invariant or None))
     params = SamplingParams(max_tokens=3 * a.steps + 8 + a.batch * a.context // 64, temperature=0.0,
                             ignore_eos=True)
     seqs = [engine.add_request([(7 * b + 3 * k) % 1000 + 1 for k in range(a.context)], params)

@@ -647,66 +647,97 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0 and 3: sums (16 rows x 16 int32); 1: activations (16 rows x group bytes); 2: weights (group / 4 rows).
+// Tiles 0-3: sums (16 rows x 16 int32); 4, 5: activations (16 rows x group bytes); 6, 7: weights (group / 4
+// rows of 64 bytes).
 void amx_begin(int64_t group) {
   TileConfig c;
-  for (int t : {0, 3}) c.rows[t] = kAmxRows, c.colsb[t] = 64;
-  c.rows[1] = kAmxRows, c.colsb[1] = static_cast<uint16_t>(group);
-  c.rows[2] = static_cast<uint8_t>(group / 4), c.colsb[2] = 64;
+  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
+  for (int t : {4, 5}) c.rows[t] = kAmxRows, c.colsb[t] = static_cast<uint16_t>(group);
+  for (int t : {6, 7}) c.rows[t] = static_cast<uint8_t>(group / 4), c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 void amx_end() { _tile_release(); }
 
-// Group g of rows [r0, r0 + 16) and the tile at w into sum tile C (a literal: GCC's tile intrinsics paste it into
-// the instruction), stored to sums.
-#define MVLLM_AMX_GROUP(C, g, sums)                                 \
-  do {                                                              \
-    _tile_zero(C);                                                  \
-    _tile_loadd(1, p.x8 + r0 * p.in + (g) * p.group, p.in);         \
-    _tile_loadd(2, w + (g) * kLaneOuts * p.group, 64);              \
-    _tile_dpbsud(C, 1, 2);                                          \
-    _tile_stored(C, sums, 64);                                      \
-  } while (0)
-
+// Rows [r0, r0 + 16 RB) x tiles [t, t + TB), RB and TB 1 or 2: each group's RB x TB products go to sum tiles
+// 0-3 and are stored; the float steps of a group run after the next group's products are issued, so the tiles
+// and the vector units work at once. The totals stay in `total` (L1) between groups.
+template <int RB, int TB>
 void lanes8_amx(const Problem& p, int64_t r0, int64_t t) {
-  const int64_t ng = p.groups();
-  const uint8_t* w = p.q8 + t * kLaneOuts * p.in;
-  const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
-  alignas(64) int32_t sums[2][kAmxRows * kLaneOuts];
-  __m512 total[kAmxRows];
-  for (auto& v : total) v = _mm512_setzero_ps();
-  auto finish_group = [&](int64_t g, const int32_t* c) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kLaneOuts)));
-    for (int r = 0; r < kAmxRows; ++r) {
-      const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c + r * kLaneOuts),
-                                           _mm512_set1_epi32(p.x8c[(r0 + r) * ng + g]));
-      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x8s[(r0 + r) * ng + g]));
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total[r]);
+  const int64_t ng = p.groups(), in = p.in, group = p.group;
+  const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
+  const uint8_t* w1 = w0 + kLaneOuts * in;
+  const int8_t* x0 = p.x8 + r0 * in;
+  const int8_t* x1 = x0 + kAmxRows * in;
+  alignas(64) int32_t sums[2][RB * TB][kAmxRows * kLaneOuts];
+  alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
+  auto products = [&](int64_t g, int32_t (*c)[kAmxRows * kLaneOuts]) {
+    _tile_zero(0);
+    if constexpr (TB == 2) _tile_zero(1);
+    if constexpr (RB == 2) _tile_zero(2);
+    if constexpr (RB == 2 && TB == 2) _tile_zero(3);
+    _tile_loadd(4, x0 + g * group, in);
+    if constexpr (RB == 2) _tile_loadd(5, x1 + g * group, in);
+    _tile_loadd(6, w0 + g * kLaneOuts * group, 64);
+    if constexpr (TB == 2) _tile_loadd(7, w1 + g * kLaneOuts * group, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (TB == 2) _tile_dpbsud(1, 4, 7);
+    if constexpr (RB == 2) _tile_dpbsud(2, 5, 6);
+    if constexpr (RB == 2 && TB == 2) _tile_dpbsud(3, 5, 7);
+    _tile_stored(0, c[0], 64);
+    if constexpr (TB == 2) _tile_stored(1, c[1], 64);
+    if constexpr (RB == 2) _tile_stored(2, c[TB], 64);
+    if constexpr (RB == 2 && TB == 2) _tile_stored(3, c[3], 64);
+  };
+  auto finish = [&](int64_t g, int32_t (*c)[kAmxRows * kLaneOuts]) {  // the float steps of lanes8_block
+    for (int j = 0; j < TB; ++j) {
+      const uint16_t* sc = p.scales16 + ((t + j) * ng + g) * kLaneOuts;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < kAmxRows; ++r) {
+          const int64_t row = r0 + i * kAmxRows + r;
+          const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[i * TB + j] + r * kLaneOuts),
+                                               _mm512_set1_epi32(p.x8c[row * ng + g]));
+          const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x8s[row * ng + g]));
+          float* tot = total[i * kAmxRows + r] + j * kLaneOuts;
+          _mm512_store_ps(tot, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, _mm512_load_ps(tot)));
+        }
     }
   };
-  int64_t g = 0;
-  for (; g + 2 <= ng; g += 2) {  // two sum tiles: the next group's product overlaps this one's float steps
-    MVLLM_AMX_GROUP(0, g, sums[0]);
-    MVLLM_AMX_GROUP(3, g + 1, sums[1]);
-    finish_group(g, sums[0]);
-    finish_group(g + 1, sums[1]);
+  products(0, sums[0]);
+  for (int64_t g = 1; g < ng; ++g) {
+    products(g, sums[g & 1]);
+    finish(g - 1, sums[(g - 1) & 1]);
   }
-  if (g < ng) {
-    MVLLM_AMX_GROUP(0, g, sums[0]);
-    finish_group(g, sums[0]);
+  finish(ng - 1, sums[(ng - 1) & 1]);
+  for (int i = 0; i < RB * kAmxRows; ++i)
+    for (int j = 0; j < TB; ++j) {
+      __m512 v = _mm512_load_ps(total[i] + j * kLaneOuts);
+      if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
+      _mm512_storeu_ps(p.y + (r0 + i) * p.out + (t + j) * kLaneOuts, v);
+    }
+}
+
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in blocks of 32 rows x 2 tiles, then what is left in 16 x 1;
+// returns the rows done (a multiple of 16).
+int64_t amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
+  const int64_t pairs = rows / (2 * kAmxRows) * 2 * kAmxRows, full = rows / kAmxRows * kAmxRows;
+  int64_t t = t0;
+  for (; t + 2 <= t0 + tiles; t += 2) {
+    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 2>(p, r, t);
+    if (full > pairs) lanes8_amx<1, 2>(p, r0 + pairs, t);
   }
-  for (int r = 0; r < kAmxRows; ++r) {
-    __m512 v = total[r];
-    if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
-    _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
+  if (t < t0 + tiles) {
+    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 1>(p, r, t);
+    if (full > pairs) lanes8_amx<1, 1>(p, r0 + pairs, t);
   }
+  return full;
 }
 #else
 constexpr bool kHasAmx = false;
 bool amx_permitted() { return false; }
 void amx_begin(int64_t) {}
 void amx_end() {}
-void lanes8_amx(const Problem&, int64_t, int64_t) {}
+int64_t amx_rows(const Problem&, int64_t, int64_t, int64_t, int64_t) { return 0; }
 #endif
 
 // AMX is used here (built, permitted, not turned off by MVLLM_INT8_AMX=0), for calls with this group.
@@ -732,11 +763,9 @@ void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
 // at a time; else (and for the tiles left over) one tile, kMaxLaneRows rows at a time.
 void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
   if (p.amx && rows >= kAmxRows) {
-    const int64_t full = rows / kAmxRows * kAmxRows;
-    for (int64_t t = t0; t < t0 + tiles; ++t)
-      for (int64_t r = r0; r < r0 + full; r += kAmxRows) lanes8_amx(p, r, t);
-    if (full == rows) return;
-    r0 += full, rows -= full;
+    const int64_t done = amx_rows(p, r0, rows, t0, tiles);
+    if (done == rows) return;
+    r0 += done, rows -= done;
   }
   int64_t t = t0;
   if (p.rows >= gemm_min())
@@ -965,9 +994,11 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 // does not depend on what shares its batch.
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
-  const int64_t tile = p.xq ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
-                       : p.x8 ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
-                              : kRowTile;
+  const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
+  const int64_t tile = p.xq    ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
+                       : p.amx ? std::max<int64_t>(pair, kIntRowBytes / p.in / pair * pair)
+                       : p.x8  ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
+                               : kRowTile;
   at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainOuts / p.block), [&](int64_t begin, int64_t end) {
     if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
     for (int64_t r0 = 0; r0 < p.rows; r0 += tile)
@@ -1023,7 +1054,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed && !quads;
   p.amx = quads && rows >= kAmxRows && amx_on(p.group);
-  if (packed) p.block = kLaneOuts * (quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
+  if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs, xc;
