@@ -45,6 +45,9 @@ LANES_MAX_ROWS = 16
 # one call, commit f8eca13, the GEMM timed in each path's process): 32 rows took 0.80-0.93x its time at 8 threads
 # and 0.36-0.59x at 16; 64 rows 1.11-1.31x at 8 threads.
 LANES8_MAX_ROWS = 32
+# ... and this many where the lanes8 kernel takes AMX tiles from 16 rows (cpu_int8.amx()): every step, so no
+# de-quantized copy is kept and a row's result never depends on its batch.
+AMX_MAX_ROWS = math.inf
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")
 
@@ -59,14 +62,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gemm = None  # invariant: every row through the kernel, no de-quantized copy
         self.kernel_rows = math.inf if invariant else PACKED_MAX_ROWS  # batches up to this size take the kernel
-        if not invariant:
-            self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
-            self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
         if cpu_int8.packs() and self.out_features % cpu_int8.LANE_OUTS == 0:  # the kernel's lanes layouts
             self.q, self.scales = cpu_int8.pack(q, scales)
             self.kernel_rows = max(self.kernel_rows, max_rows(self.q))
+        self.gemm = None  # every row through the kernel (invariant, or AMX): no de-quantized copy
+        if self.kernel_rows < math.inf:
+            self.wide = torch.bfloat16 if packable(CPU, torch.bfloat16) else torch.float32
+            self.gemm = dense(cpu_int8.dequantize(q, scales).to(self.wide), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -77,10 +80,12 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def max_rows(q: torch.Tensor) -> int:
+def max_rows(q: torch.Tensor) -> float:
     """The most tokens a step sends through the int8 kernel for weights in q's layout (above: the GEMM)."""
     if q.dim() == 3:
-        return LANES8_MAX_ROWS if q.dtype == torch.uint8 else LANES_MAX_ROWS
+        if q.dtype == torch.uint8:
+            return AMX_MAX_ROWS if cpu_int8.amx() else LANES8_MAX_ROWS
+        return LANES_MAX_ROWS
     return PACKED_MAX_ROWS
 
 
