@@ -59,7 +59,7 @@ struct Problem {
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
-  bool amx = false;           // lanes8: blocks of kAmxRows rows take AMX tiles (each thread loads their config)
+  bool amx = false;           // lanes8: calls of more than kAmxAbove rows take AMX tiles (each thread loads their config)
   int64_t groups() const { return in / group; }
 };
 
@@ -625,10 +625,14 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
 // AMX (Sapphire Rapids and later): the lanes8 layout is already AMX's B tile. One tile's group, (group / 4) rows
 // of 64 bytes (4 inputs x 16 outputs), is B; kAmxRows activation rows of the group (int8, row stride `in`) are A;
 // one tdpbsud (A signed, B unsigned) gives the 16 x 16 int32 sums vpdpbusd gives, exactly. They are stored and
-// finished by the same float steps as lanes8_block, so a row's result is the same bits on either path. Used for
-// blocks of kAmxRows rows where the build has AMX, Linux grants the tile state (arch_prctl), the group fits one
-// tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0. Rows left over take lanes8_gemm / lanes8_block.
+// finished by the same float steps as lanes8_block, so a row's result is the same bits on either path. Used in calls
+// of more than kAmxAbove rows, in blocks of 32 rows x 2 tiles (then 16 x 1), where the build has AMX, Linux
+// grants the tile state (arch_prctl), the group fits one tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0. Rows
+// left over (under 16) take lanes8_gemm / lanes8_block.
 constexpr int64_t kAmxRows = 16;
+// Calls of more rows than this take the tiles (quant.LANES8_MAX_ROWS: where the bf16 GEMM ran before). Up to it the
+// VNNI blocks stay: on the H200 machine's Xeon a 20-token prefill took 25-28 ms with them and 34-36 with tiles.
+constexpr int64_t kAmxAbove = 32;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)
 constexpr bool kHasAmx = true;
@@ -800,7 +804,7 @@ void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64
 }
 #else
 constexpr bool kHasLanes8 = false;
-constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxAbove = 32;
 bool amx_on(int64_t) { return false; }
 void amx_begin(int64_t) {}
 void amx_end() {}
@@ -898,7 +902,7 @@ std::string layout(int64_t group) { return packs8(group) ? "lanes8" : packs(grou
 // The path a call with this group size takes, and its instructions: what the profile records.
 std::string path_name(int64_t group) {
   if (packs8(group))
-    return amx_on(group) ? "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector; AMX tiles from 16 rows)"
+    return amx_on(group) ? "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector; AMX tiles above 32 rows)"
                          : "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector)";
   if (packs(group)) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -1053,7 +1057,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed && !quads;
-  p.amx = quads && rows >= kAmxRows && amx_on(p.group);
+  p.amx = quads && rows > kAmxAbove && amx_on(p.group);
   if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
