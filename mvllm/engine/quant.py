@@ -6,7 +6,9 @@
   mvllm's int8 kernel (kernels/cpu_int8.py),
   which reads each weight byte once per step: a quarter of float32's bytes. Prefill-sized batches run
   oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16), or with
-  batch_invariant=on the int8 kernel too, so a row's result never depends on its batch mates.
+  batch_invariant=on the int8 kernel too, so a row's result never depends on its batch mates. Where the lanes8
+  kernel takes AMX tiles (cpu_int8.amx(): a Sapphire Rapids or later Xeon) every batch runs the kernel
+  (AMX_MAX_ROWS), with no de-quantized copy: there int8w is batch-invariant by default.
 - `none` with dtype bfloat16 or float32: every Linear keeps its weight in oneDNN's blocked layout where that
   works (x86), else plain F.linear.
 - `int8-lossy`: PyTorch's dynamic int8 Linear. Activations are quantized per call with one scale per
