@@ -500,6 +500,10 @@ void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 // and group (x8c) is taken off each group's int32 sum, which is exact, so a row's result does not depend on its
 // batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
 constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 above gemm_min() rows: 12 accumulators, 12 totals
+constexpr int64_t kAmxRows = 16;              // AMX (below): the rows of a tile
+// Calls of more rows than this take AMX tiles (quant.LANES8_MAX_ROWS: where the bf16 GEMM ran before). Up to it the
+// VNNI blocks stay: on the H200 machine's Xeon a 20-token prefill took 25-28 ms with them and 34-36 with tiles.
+constexpr int64_t kAmxAbove = 32;
 // MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
 int64_t gemm_min() {
   static const int64_t n = env_int("MVLLM_INT8_GEMM_MIN", 8, 1, int64_t{1} << 40);
@@ -629,10 +633,6 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
 // of more than kAmxAbove rows, in blocks of 32 rows x 2 tiles (then 16 x 1), where the build has AMX, Linux
 // grants the tile state (arch_prctl), the group fits one tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0. Rows
 // left over (under 16) take lanes8_gemm / lanes8_block.
-constexpr int64_t kAmxRows = 16;
-// Calls of more rows than this take the tiles (quant.LANES8_MAX_ROWS: where the bf16 GEMM ran before). Up to it the
-// VNNI blocks stay: on the H200 machine's Xeon a 20-token prefill took 25-28 ms with them and 34-36 with tiles.
-constexpr int64_t kAmxAbove = 32;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)
 constexpr bool kHasAmx = true;
@@ -804,7 +804,6 @@ void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64
 }
 #else
 constexpr bool kHasLanes8 = false;
-constexpr int64_t kAmxAbove = 32;
 bool amx_on(int64_t) { return false; }
 void amx_begin(int64_t) {}
 void amx_end() {}
