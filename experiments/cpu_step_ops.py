@@ -6,7 +6,7 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
         [--python-loop] [--prefill] [--batch-invariant]
 
---batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles from 16
+--batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
 rows where cpu_int8.amx()), never the bf16 GEMM.
 """
 

@@ -223,11 +223,12 @@ def test_lanes8_falls_back_without_kernel(monkeypatch):
     assert_close(ck.int8_linear(x, *ck.pack(q, scales, "lanes8")), reference(x, q, scales))
 
 
-@pytest.mark.parametrize("out,inputs", [(64, 896), (1152, 896), (896, 4864), (32, 64)])
+@pytest.mark.parametrize("out,inputs", [(64, 896), (1152, 896), (896, 4864), (32, 64), (80, 96)])
 def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
     """lanes8 computes exactly what int8 activations per group give (to float rounding), stays within their
     accuracy of the float result, and gives each row alone the bits it gets in a batch of up to 72. Where AMX
-    is used (ck.amx()), blocks of 16 rows take the tiles and a row alone takes vpdpbusd: the same bits."""
+    is used (ck.amx()), calls of more than 32 rows take the tiles (blocks of 32 or 16 rows, of 2 tiles or 1: 80
+    outputs are 5 tiles, 96 inputs 3 groups) and a row alone takes vpdpbusd: the same bits."""
     gen = torch.Generator().manual_seed(out + inputs + 1)
     q, scales = ck.quantize_weight(torch.randn(out, inputs, generator=gen))
     bias = torch.randn(out, generator=gen)

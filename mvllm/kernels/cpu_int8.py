@@ -94,7 +94,7 @@ def has_lanes8() -> bool:
 
 
 def amx() -> bool:
-    """Whether lanes8 calls of 16 rows or more take AMX tiles here: built with AMX (-march=native on a Sapphire
+    """Whether lanes8 calls of more than 32 rows take AMX tiles here: built with AMX (-march=native on a Sapphire
     Rapids or later Xeon), the tile state granted by Linux, MVLLM_INT8_AMX not 0."""
     return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
 

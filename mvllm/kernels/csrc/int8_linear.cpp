@@ -501,8 +501,9 @@ void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 // batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
 constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 above gemm_min() rows: 12 accumulators, 12 totals
 constexpr int64_t kAmxRows = 16;              // AMX (below): the rows of a tile
-// Calls of more rows than this take AMX tiles (quant.LANES8_MAX_ROWS: where the bf16 GEMM ran before). Up to it the
-// VNNI blocks stay: on the H200 machine's Xeon a 20-token prefill took 25-28 ms with them and 34-36 with tiles.
+// Calls of more rows than this take AMX tiles; up to it the VNNI blocks stay. On the H200 machine's Xeon a cold
+// 20-token prompt took 25-28 ms with them and 34-36 with tiles (8 and 16 threads); at 64 rows the tiles took
+// 0.57-0.77x the VNNI blocks' time (results/profile/README.md).
 constexpr int64_t kAmxAbove = 32;
 // MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
 int64_t gemm_min() {
