@@ -4,8 +4,7 @@ at 1 and 4 rows, the milliseconds of each and their ratio. --paths lanes,float4,
 (MVLLM_INT8_PATH, read once per process) one process each, in the same call, and prints each against the
 first; a path named twice (lanes,float4,lanes) alternates them. Knobs follow the name: float4:2 sets
 MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512; a key that starts
-with OMP_, GOMP_ or THP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads;
-lanes8:THP_MEM_ALLOC_ENABLE=1 puts torch's large allocations in transparent huge pages).
+with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--out FILE]
@@ -130,7 +129,7 @@ def compare(a) -> None:
             for knob in knobs:
                 key, _, value = knob.rpartition("=")
                 key = (key or "ahead").upper()
-                extra[key if key.startswith(("OMP_", "GOMP_", "THP_")) else f"MVLLM_INT8_{key}"] = value
+                extra[key if key.startswith(("OMP_", "GOMP_")) else f"MVLLM_INT8_{key}"] = value
             env = {**os.environ, **extra}
             print(" ".join(f"{k}={v}" for k, v in extra.items()) + ":", flush=True)
             subprocess.run(cmd, check=True, env=env)

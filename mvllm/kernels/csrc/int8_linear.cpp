@@ -342,12 +342,6 @@ int64_t prefetch_bytes() {
   static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64;
   return n;
 }
-// MVLLM_INT8_FAR: lanes8 only, a second prefetch this many bytes ahead into L2 (_MM_HINT_T1), beside the first
-// (default 0: none).
-int64_t far_bytes() {
-  static const int64_t n = env_int("MVLLM_INT8_FAR", 0, 0, 1 << 20) / 64 * 64;
-  return n;
-}
 
 #if defined(__AVX512BW__)
 constexpr int kMaxLaneRows = 8;  // 8 rows' accumulators and totals, 16 of 32 registers
@@ -528,7 +522,7 @@ inline int32_t quad(const int8_t* x) {
 template <int R>
 void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
   constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent accumulators a row: 4 * A inputs a step
-  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes(), far = far_bytes();
+  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
   const uint8_t* w = p.q8 + t * kLaneOuts * p.in;
   const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
   const int8_t* x[R];
@@ -542,9 +536,6 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
     if (ahead)
       for (int64_t b = 0; b < kLaneOuts * group; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + ahead + b), _MM_HINT_T0);
-    if (far)
-      for (int64_t b = 0; b < kLaneOuts * group; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + far + b), _MM_HINT_T1);
     for (int64_t k = 0; k < group; k += 4 * A)
       for (int a = 0; a < A; ++a) {
         const __m512i wv = _mm512_loadu_si512(w + (k + 4 * a) * kLaneOuts);
@@ -577,7 +568,7 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
 template <int R, int T>
 void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
   constexpr int A = R * T == 1 ? 4 : R * T == 2 ? 2 : 1;  // independent accumulators a row and tile
-  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes(), far = far_bytes();
+  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
   const uint8_t* w[T];
   const uint16_t* sc[T];
   for (int j = 0; j < T; ++j) {
@@ -598,10 +589,6 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
       for (int j = 0; j < T; ++j)
         for (int64_t b = 0; b < kLaneOuts * group; b += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + b), _MM_HINT_T0);
-    if (far)
-      for (int j = 0; j < T; ++j)
-        for (int64_t b = 0; b < kLaneOuts * group; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w[j] + far + b), _MM_HINT_T1);
     for (int64_t k = 0; k < group; k += 4 * A) {
 #pragma GCC unroll 4
       for (int a = 0; a < A; ++a) {
