@@ -7,7 +7,11 @@ MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM
 with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
-        [--paths lanes,float4,int16] [--gemm] [--out FILE]
+        [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--out FILE]
+
+--memory plain,huge,plain packs the weights once per name (huge: cpu_int8.huge_empty's 2 MB pages; plain: 4 KB
+pages) and times the copies in turn, a step each, --repeats times, in one process: each copy's median against the
+first's, with the host's drift shared.
 
 --gemm also times the GEMM Int8Linear takes above its kernel rows (oneDNN bf16 on a de-quantized copy where
 this CPU has native bf16, else float32), at the same rows: where the kernel could take over (warm prefill).
@@ -71,10 +75,13 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true",
                     help="also time the GEMM int8w runs above its kernel rows (bf16 where native)")
     ap.add_argument("--paths", help="kernel paths to compare, one process each (MVLLM_INT8_PATH)")
+    ap.add_argument("--memory", help="copies of the packed weights to time in turn: plain,huge,... (lanes layouts)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.paths:
         return compare(a)
+    if a.memory:
+        return memory(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     if not cpu_int8.available():
@@ -113,6 +120,49 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(info, f, indent=2, default=str)
+            f.write("\n")
+
+
+def memory(a) -> None:
+    """The same packed weights in plain and huge-page memory, a step of each in turn (one process)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not cpu_int8.packs():
+        raise SystemExit("--memory: the kernel here packs no lanes layout")
+    layer, layers, vocab = shapes(a.model)
+    torch.manual_seed(0)
+    weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, layer[1][1]) * 0.02]
+    quantized = [cpu_int8.quantize_weight(w) for w in weights]
+    del weights
+    names = a.memory.split(",")
+    if set(names) - {"plain", "huge"}:
+        raise SystemExit(f"--memory: plain or huge, got {a.memory}")
+    copies = [[cpu_int8.pack(q, s, huge=name == "huge") for q, s in quantized] for name in names]
+    huge_kb = int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
+    out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"),
+           "memory": names, "anon_huge_kb": huge_kb, "rows": []}
+    for rows in [int(r) for r in a.rows.split(",")]:
+        xs = {q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS: torch.randn(rows, q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS)
+              for q, _ in copies[0]}
+        steps = [[lambda q=q, s=s: cpu_int8.int8_linear(xs[q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS], q, s,
+                                                        check=False) for q, s in c] for c in copies]
+        times = [[] for _ in copies]
+        for _ in range(a.repeats + 1):
+            for fns, ts in zip(steps, times):
+                t = time.perf_counter()
+                for f in fns:
+                    f()
+                ts.append(time.perf_counter() - t)
+        ms = [1000 * statistics.median(ts[1:]) for ts in times]  # the first round warms
+        wins = sum(b < a_ for a_, b in zip(times[0][1:], times[-1][1:]))
+        row = {"rows": rows, "ms": [round(m, 3) for m in ms], "over_first": [round(m / ms[0], 3) for m in ms],
+               "last_faster_rounds": wins, "rounds": a.repeats}
+        out["rows"].append(row)
+        print(f"rows {rows}: " + ", ".join(f"{n} {m:.2f} ms ({m / ms[0]:.2f}x)" for n, m in zip(names, ms)) +
+              f"; {names[-1]} faster than {names[0]} in {wins} of {a.repeats} rounds; {huge_kb // 1024} MB in huge pages")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=2)
             f.write("\n")
 
 

@@ -99,11 +99,56 @@ def amx() -> bool:
     return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+HUGE = 2 << 20  # a transparent huge page on x86-64 and aarch64 Linux with 4 KB pages
+
+
+def huge_pages() -> bool:
+    """Whether pack() asks Linux for transparent huge pages (MVLLM_HUGE_PAGES=0 turns it off)."""
+    return sys.platform.startswith("linux") and os.environ.get("MVLLM_HUGE_PAGES", "1") != "0"
+
+
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose 2 MB-aligned pages are advised MADV_HUGEPAGE before they are first
+    touched, so that (where transparent_hugepage is "madvise" or "always") they are backed by 2 MB pages: a
+    decode step streams every weight once, and 4 KB pages cost a TLB miss each. Elsewhere, or if madvise fails,
+    a plain tensor of the same shape."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE:
+        return torch.empty(shape, dtype=dtype)
+    buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)  # large: its own mmap, not yet touched
+    start = -buf.data_ptr() % HUGE
+    if not _madvise_huge(buf.data_ptr() + start, (nbytes + HUGE - start) // HUGE * HUGE):
+        return torch.empty(shape, dtype=dtype)
+    return buf[start:start + nbytes].view(dtype).view(shape)
+
+
+@functools.cache
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _madvise_huge(addr: int, length: int) -> bool:
+    MADV_HUGEPAGE = 14  # linux/mman.h
+    try:
+        return _libc().madvise(addr, length, MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None,
+         huge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [out, in], scales [out, groups]) -> a lanes layout (csrc/int8_linear.cpp), `kind` "lanes" or "lanes8"
     (default: layout(), else "lanes"). lanes: q int8 [out / 16, groups, 16 * group], each group's inputs in
     pairs for 16 outputs; lanes8: q uint8 of that shape, each group's inputs in fours for 16 outputs, every
-    weight plus 128. Both: scales float16 [out / 16, groups, 16]. int8_linear takes any layout."""
+    weight plus 128. Both: scales float16 [out / 16, groups, 16]. int8_linear takes any layout. q goes in
+    huge_empty() memory where `huge` (default: huge_pages())."""
     kind = kind or layout() or "lanes"
     if kind not in ("lanes", "lanes8"):
         raise ValueError(f"pack: the layouts are lanes and lanes8, got {kind!r}")
@@ -121,7 +166,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None) -> tupl
     half = scales.half()
     if not torch.equal(half.float(), scales):
         raise ValueError("the lanes layouts store scales in float16: quantize_weight's scales are")
-    return qp.contiguous(), half.view(tiles, LANE_OUTS, groups).transpose(1, 2).contiguous()
+    huge = huge_pages() if huge is None else huge
+    qp = huge_empty(tuple(qp.shape), qp.dtype).copy_(qp) if huge else qp.contiguous()
+    return qp, half.view(tiles, LANE_OUTS, groups).transpose(1, 2).contiguous()
 
 
 def unpack(qp: torch.Tensor, sp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
