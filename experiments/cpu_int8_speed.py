@@ -144,7 +144,7 @@ def memory(a) -> None:
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = {q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS: torch.randn(rows, q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS)
               for q, _ in copies[0]}
-        steps = [[lambda q=q, s=s: cpu_int8.int8_linear(xs[q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS], q, s,
+        steps = [[lambda q=q, s=s, xs=xs: cpu_int8.int8_linear(xs[q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS], q, s,
                                                         check=False) for q, s in c] for c in copies]
         times = [[] for _ in copies]
         for _ in range(a.repeats + 1):
