@@ -10,7 +10,9 @@ compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs),
 fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
 step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8
 kernel, so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a
-GEMM, bf16 where the CPU has it; see engine/quant.py).
+GEMM, bf16 where the CPU has it; see engine/quant.py), pin (on|off, CPU: its worker threads one a core, spread
+over the cores, where it has fewer threads than cores; Linux, the fused kernels built; default on where it is
+the only local CPU backend, as two would pin to the same cores; see machine.places).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -53,6 +55,7 @@ class BackendSpec:
     fused: bool = True
     overlap: bool | None = None  # None: on for a CUDA backend (EngineConfig.validate)
     batch_invariant: bool | None = None  # None: the engine's default (EngineConfig)
+    pin: bool | None = None  # None: on where it is the only local CPU backend (share_cores)
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0
@@ -68,14 +71,15 @@ class BackendSpec:
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
                             compile=self.compile, fused=self.fused, overlap=self.overlap,
-                            batch_invariant=self.batch_invariant)
+                            batch_invariant=self.batch_invariant, pin=self.pin)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
-LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
+LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant",
+              "pin")
 
 
 def is_url(device: str) -> bool:
@@ -95,7 +99,7 @@ def convert(key: str, value: str, name: str, remote: bool = False):
         raise InvalidRequestError(f"backend {name}: {key} is a setting of a remote backend (NAME=http://HOST:PORT)",
                                   "backends")
     try:
-        if key in ("graphs", "compile", "fused", "overlap", "batch_invariant"):
+        if key in ("graphs", "compile", "fused", "overlap", "batch_invariant", "pin"):
             if value not in ("on", "off"):
                 raise ValueError
             return value == "on"
@@ -236,3 +240,6 @@ def share_cores(specs: list[BackendSpec]) -> None:
     for s in local:
         if s.device != "cpu" and s.threads is None:
             s.threads = 1
+    for s in local:  # each backend process pins on its own: two CPU backends would take the same cores
+        if s.device == "cpu" and s.pin is None:
+            s.pin = sum(t.device == "cpu" for t in local) == 1
