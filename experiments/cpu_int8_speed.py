@@ -4,7 +4,8 @@ at 1 and 4 rows, the milliseconds of each and their ratio. --paths lanes,float4,
 (MVLLM_INT8_PATH, read once per process) one process each, in the same call, and prints each against the
 first; a path named twice (lanes,float4,lanes) alternates them. Knobs follow the name: float4:2 sets
 MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512; a key that starts
-with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
+with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads);
+lanes8:pin=1 pins the worker threads as a CPU backend does (machine.places).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--out FILE]
@@ -84,6 +85,10 @@ def main() -> None:
         return memory(a)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if os.environ.get("MVLLM_INT8_PIN") == "1":  # the knob pin=1: worker threads pinned as a CPU backend's are
+        from mvllm.kernels import cpu_fused
+
+        print(f"pinned: {cpu_fused.pin_threads(machine.places(torch.get_num_threads()))}", flush=True)
     if not cpu_int8.available():
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
     layer, layers, vocab = shapes(a.model)
