@@ -45,17 +45,11 @@ def test_cores_cover_the_allowed_cpus():
     assert sorted(c for core in found for c in core) == machine.ALLOWED
 
 
-def test_pin_setting(monkeypatch):
-    one = parse_backends("cpu=cpu/threads=1")
-    share_cores(one)
-    assert one[0].pin is True  # the only CPU backend
-    two = parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=1")
-    share_cores(two)
-    assert [s.pin for s in two] == [False, False]  # each process would pin to the same cores
-    forced = parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=1/pin=on")
-    share_cores(forced)
-    assert [s.pin for s in forced] == [False, True]
-    assert forced[1].engine_config("m").pin is True
+def test_pin_setting():
+    specs = parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=1/pin=on")
+    share_cores(specs)
+    assert [s.pin for s in specs] == [False, True]  # off unless asked
+    assert specs[1].engine_config("m").pin is True
     with pytest.raises(InvalidRequestError, match="bad value 'maybe' for pin"):
         parse_backends("cpu=cpu/pin=maybe")
 

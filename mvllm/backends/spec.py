@@ -11,8 +11,9 @@ fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: sch
 step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8
 kernel, so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a
 GEMM, bf16 where the CPU has it; see engine/quant.py), pin (on|off, CPU: its worker threads one a core, spread
-over the cores, where it has fewer threads than cores; Linux, the fused kernels built; default on where it is
-the only local CPU backend, as two would pin to the same cores; see machine.places).
+over the cores, where it has fewer threads than cores; Linux, the fused kernels built; default off: on the H200
+machine's Xeon it did not pay, and each backend process pins on its own, so two CPU backends would take the same
+cores; see machine.places).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -55,7 +56,7 @@ class BackendSpec:
     fused: bool = True
     overlap: bool | None = None  # None: on for a CUDA backend (EngineConfig.validate)
     batch_invariant: bool | None = None  # None: the engine's default (EngineConfig)
-    pin: bool | None = None  # None: on where it is the only local CPU backend (share_cores)
+    pin: bool = False
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0
@@ -240,6 +241,3 @@ def share_cores(specs: list[BackendSpec]) -> None:
     for s in local:
         if s.device != "cpu" and s.threads is None:
             s.threads = 1
-    for s in local:  # each backend process pins on its own: two CPU backends would take the same cores
-        if s.device == "cpu" and s.pin is None:
-            s.pin = sum(t.device == "cpu" for t in local) == 1

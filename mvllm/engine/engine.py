@@ -42,7 +42,7 @@ class EngineConfig:
     overlap: bool | None = None  # schedule step N+1 while step N runs (its tokens read a step later); None: CUDA
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
     batch_invariant: bool | None = None  # CPU int8w: None = quant.BATCH_INVARIANT (engine/quant.py)
-    pin: bool | None = None  # CPU: worker threads one a core, spread (machine.places); None: on
+    pin: bool = False  # CPU: worker threads one a core, spread (machine.places); off: measured not to pay
     picked: str = ""  # how the CPU mode was chosen
 
     def validate(self) -> None:
@@ -147,10 +147,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
                                   config.graphs, config.max_active, self.max_model_len, config.fused,
                                   config.compile)
-        # A CPU backend's worker threads, one a core spread over the cores, where it has fewer threads than cores
-        # (Linux, the fused kernels built; pin=off or MVLLM_PIN=0 leaves them floating); an engine on another
+        # pin=on: a CPU backend's worker threads one a core, spread over the cores, where it has fewer threads
+        # than cores (Linux, the fused kernels built; MVLLM_PIN=0 leaves them floating); an engine on another
         # device, or unpinned, unpins any an earlier engine of this process pinned.
-        spread = self.runner.fused and config.pin is not False
+        spread = self.runner.fused and config.pin
         self.pinned = cpu_fused.pin_threads(machine.places(torch.get_num_threads()) if spread else None)
         self.requests: dict[str, Sequence] = {}
         self.inflight: Launched | None = None  # overlap: the step launched last, its ids not yet read

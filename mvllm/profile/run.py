@@ -21,6 +21,7 @@ from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.engine.engine import Engine
 from mvllm.engine.params import SamplingParams
 from mvllm.env import backend_facts, cpu_name, git_commit
+from mvllm.kernels import cpu_int8
 from mvllm.model.loader import resolve
 from mvllm.profile.accuracy import SYNTHETIC_NOTE, Reference
 from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, LENGTHS, WARM_CACHED, WARM_NEW, Progress, Tokens
@@ -78,7 +79,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
            "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(),
-           "pinned": engine.pinned,
+           "pinned": engine.pinned, "huge_pages": engine.config.quant == "int8w" and cpu_int8.packs() and cpu_int8.huge_pages(),
            "max_active": spec.max_active, "graphs": engine.runner.captured, "compiled": engine.runner.compiled,
            "fused": engine.runner.fused, "overlap": engine.config.overlap,
            "batch_invariant": engine.config.batch_invariant, "ready_s": round(ready_s, 1),
