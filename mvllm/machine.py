@@ -70,12 +70,12 @@ def cores() -> list[list[int]]:
 
 def places(threads: int) -> list[int] | None:
     """A CPU for each of `threads` threads, spread evenly over the physical cores (one thread a core, as OpenMP's
-    spread binding over cores), or None where they should float: not Linux, MVLLM_PIN=0, or as many threads as
-    cores (or more). On the H200 machine's Xeon (8 threads of 16 vCPUs, a decode step's int8 linears): with OpenMP's
+    spread binding over cores), or None where they should float: not Linux, or as many threads as cores (or
+    more). On the H200 machine's Xeon (8 threads of 16 vCPUs, a decode step's int8 linears): with OpenMP's
     own pinning of all 8 threads to even CPUs (GOMP_CPU_AFFINITY) 0.87-0.88x the unpinned time at 1 row and level
     at 4; with these places and thread 0 free, level at 1 row and 0.95-1.21x at 4, so the backend's pin is off by
     default (results/profile/h200-decode-probes-eb0923b.txt)."""
-    if system() != "linux" or os.environ.get("MVLLM_PIN", "1") == "0":
+    if system() != "linux":
         return None
     found = cores()
     if threads >= len(found):

@@ -16,7 +16,6 @@ from mvllm.kernels import cpu_fused, cpu_int8
 @pytest.fixture
 def linux(monkeypatch):
     monkeypatch.setattr(machine, "system", lambda: "linux")
-    monkeypatch.delenv("MVLLM_PIN", raising=False)
 
 
 def test_places_spread_one_thread_a_core(linux, monkeypatch):
@@ -31,11 +30,8 @@ def test_places_spread_one_thread_a_core(linux, monkeypatch):
     assert machine.places(8) is None
 
 
-def test_places_off(monkeypatch, linux):
+def test_places_none_off_linux(monkeypatch):
     monkeypatch.setattr(machine, "cores", lambda: [[c] for c in range(16)])
-    monkeypatch.setenv("MVLLM_PIN", "0")
-    assert machine.places(8) is None
-    monkeypatch.delenv("MVLLM_PIN")
     monkeypatch.setattr(machine, "system", lambda: "darwin")
     assert machine.places(8) is None
 

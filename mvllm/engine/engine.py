@@ -148,8 +148,8 @@ class Engine:
                                   config.graphs, config.max_active, self.max_model_len, config.fused,
                                   config.compile)
         # pin=on: a CPU backend's worker threads one a core, spread over the cores, where it has fewer threads
-        # than cores (Linux, the fused kernels built; MVLLM_PIN=0 leaves them floating); an engine on another
-        # device, or unpinned, unpins any an earlier engine of this process pinned.
+        # than cores (Linux, the fused kernels built); an engine on another device, or unpinned, unpins any an
+        # earlier engine of this process pinned.
         spread = self.runner.fused and config.pin
         self.pinned = cpu_fused.pin_threads(machine.places(torch.get_num_threads()) if spread else None)
         self.requests: dict[str, Sequence] = {}

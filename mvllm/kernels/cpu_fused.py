@@ -104,8 +104,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _ops.argmax(x.contiguous())
 
 
-# ---- reference versions: plain torch, the semantics the kernels implement ----
-
 _pinned = False  # whether pin_threads pinned torch's threads in this process
 
 
@@ -139,6 +137,8 @@ def thread_cpus() -> list[int]:
     """The CPU each of torch's threads runs on now (-1 each where unknown)."""
     return list(_ops.thread_cpus()) if available() else [-1] * torch.get_num_threads()
 
+
+# ---- reference versions: plain torch, the semantics the kernels implement ----
 
 def reference_add_rms_norm(x, residual, weight, eps):
     r = x if residual is None else residual.add_(x)
