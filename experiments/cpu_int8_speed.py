@@ -4,8 +4,7 @@ at 1 and 4 rows, the milliseconds of each and their ratio. --paths lanes,float4,
 (MVLLM_INT8_PATH, read once per process) one process each, in the same call, and prints each against the
 first; a path named twice (lanes,float4,lanes) alternates them. Knobs follow the name: float4:2 sets
 MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512; a key that starts
-with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads);
-lanes8:pin=1 pins the worker threads as a CPU backend does (machine.places).
+with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--out FILE]
@@ -55,6 +54,13 @@ class Wide:
         return self.gemm(x.to(self.dtype)).float()
 
 
+def random_weights(model: str) -> list[torch.Tensor]:
+    """Every linear of a decode step of `model`'s shapes, each layer its own, and the LM head: float32, seed 0."""
+    layer, layers, vocab = shapes(model)
+    torch.manual_seed(0)
+    return [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, layer[1][1]) * 0.02]
+
+
 def step_ms(fns, repeats: int) -> float:
     for f in fns:  # warm
         f()
@@ -85,16 +91,9 @@ def main() -> None:
         return memory(a)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if os.environ.get("MVLLM_INT8_PIN") == "1":  # the knob pin=1: worker threads pinned as a CPU backend's are
-        from mvllm.kernels import cpu_fused
-
-        print(f"pinned: {cpu_fused.pin_threads(machine.places(torch.get_num_threads()))}", flush=True)
     if not cpu_int8.available():
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
-    layer, layers, vocab = shapes(a.model)
-    h = layer[1][1]
-    torch.manual_seed(0)
-    weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, h) * 0.02]
+    weights = random_weights(a.model)
     quantized = [cpu_int8.quantize_weight(w) for w in weights]
     gemms = []
     if a.gemm:
@@ -134,11 +133,7 @@ def memory(a) -> None:
         torch.set_num_threads(a.threads)
     if not cpu_int8.packs():
         raise SystemExit("--memory: the kernel here packs no lanes layout")
-    layer, layers, vocab = shapes(a.model)
-    torch.manual_seed(0)
-    weights = [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, layer[1][1]) * 0.02]
-    quantized = [cpu_int8.quantize_weight(w) for w in weights]
-    del weights
+    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model)]
     names = a.memory.split(",")
     if set(names) - {"plain", "huge"}:
         raise SystemExit(f"--memory: plain or huge, got {a.memory}")
@@ -147,10 +142,9 @@ def memory(a) -> None:
     out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"),
            "memory": names, "anon_huge_kb": huge_kb, "rows": []}
     for rows in [int(r) for r in a.rows.split(",")]:
-        xs = {q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS: torch.randn(rows, q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS)
-              for q, _ in copies[0]}
-        steps = [[lambda q=q, s=s, xs=xs: cpu_int8.int8_linear(xs[q.shape[1] * q.shape[2] // cpu_int8.LANE_OUTS], q, s,
-                                                        check=False) for q, s in c] for c in copies]
+        xs = [torch.randn(rows, q.shape[1]) for q, _ in quantized]  # q [out, in] before packing
+        steps = [[lambda q=q, s=s, x=x: cpu_int8.int8_linear(x, q, s, check=False) for (q, s), x in zip(c, xs)]
+                 for c in copies]
         times = [[] for _ in copies]
         for _ in range(a.repeats + 1):
             for fns, ts in zip(steps, times):

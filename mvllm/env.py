@@ -134,7 +134,6 @@ def backend_facts(spec: BackendSpec) -> dict:
              "max_active": spec.max_active, "overlap": config.overlap}
     if device.type == "cpu":
         facts["picked"] = config.picked
-        facts["pin"] = spec.pin
         facts["kernels"] = kernels(spec, dtype, config.quant)
     else:
         from mvllm.engine.sampler import supports_float64

@@ -40,47 +40,11 @@ def sysctl(name: str) -> int | None:
         return None
 
 
-def _allowed() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(os.cpu_count() or 1))
-
-
-ALLOWED = _allowed()  # the CPUs this process may run on, read before a CPU backend pins its threads
-
-
 def logical_cpus() -> int:
-    return len(ALLOWED)
-
-
-def cores() -> list[list[int]]:
-    """The allowed CPUs grouped by physical core (Linux sysfs: package and core id), in order of their first
-    CPU; one CPU a core where sysfs says nothing (a CPU of its own, as a VM's vCPUs are listed)."""
-    groups: dict[tuple[str, str], list[int]] = {}
-    for cpu in ALLOWED:
-        top = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            key = ((top / "physical_package_id").read_text().strip(), (top / "core_id").read_text().strip())
-        except OSError:
-            key = ("cpu", str(cpu))
-        groups.setdefault(key, []).append(cpu)
-    return list(groups.values())
-
-
-def places(threads: int) -> list[int] | None:
-    """A CPU for each of `threads` threads, spread evenly over the physical cores (one thread a core, as OpenMP's
-    spread binding over cores), or None where they should float: not Linux, or as many threads as cores (or
-    more). On the H200 machine's Xeon (8 threads of 16 vCPUs, a decode step's int8 linears): with OpenMP's
-    own pinning of all 8 threads to even CPUs (GOMP_CPU_AFFINITY) 0.87-0.88x the unpinned time at 1 row and level
-    at 4; with these places and thread 0 free, level at 1 row and 0.95-1.21x at 4, so the backend's pin is off by
-    default (results/profile/h200-decode-probes-eb0923b.txt)."""
-    if system() != "linux":
-        return None
-    found = cores()
-    if threads >= len(found):
-        return None
-    return [found[i * len(found) // threads][0] for i in range(threads)]
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def compute_cores() -> tuple[int, str]:

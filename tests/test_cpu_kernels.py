@@ -216,6 +216,38 @@ def test_lanes8_layout_round_trips_and_rejects_odd_groups():
         ck.pack(q, scales, "lanes4")
 
 
+def anon_huge_kb(addr: int) -> int:
+    """AnonHugePages of the mapping of this process that holds addr (/proc/self/smaps), in kB."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_pack_puts_q_in_huge_pages():
+    """pack(huge=True) gives the same layout in 2 MB-aligned memory advised MADV_HUGEPAGE before it was written: where
+    Linux's transparent_hugepage allows it (madvise or always), the mapping holds huge pages."""
+    gen = torch.Generator().manual_seed(11)
+    q, scales = ck.quantize_weight(torch.randn(8192, 512, generator=gen))  # 4 MB of int8: two huge pages
+    plain = ck.pack(q, scales, "lanes8", huge=False)
+    huge = ck.pack(q, scales, "lanes8", huge=True)
+    assert torch.equal(plain[0], huge[0]) and torch.equal(plain[1], huge[1]) and huge[0].is_contiguous()
+    small = ck.huge_empty((3, 5), torch.float32)  # under a page: a plain tensor
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(thp) or "[never]" in open(thp).read():
+        pytest.skip("no transparent huge pages here")
+    assert huge[0].data_ptr() % ck.HUGE == 0
+    assert anon_huge_kb(huge[0].data_ptr()) >= 2048
+    if "[madvise]" in open(thp).read():  # a plain pack stays in 4 KB pages
+        assert anon_huge_kb(plain[0].data_ptr()) == 0
+
+
 def test_lanes8_falls_back_without_kernel(monkeypatch):
     monkeypatch.setattr(ck, "available", lambda: False)
     q, scales = ck.quantize_weight(torch.randn(32, 64))

@@ -10,10 +10,7 @@ compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs),
 fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
 step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8
 kernel, so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a
-GEMM, bf16 where the CPU has it; see engine/quant.py), pin (on|off, CPU: its worker threads one a core, spread
-over the cores, where it has fewer threads than cores; Linux, the fused kernels built; default off: on the H200
-machine's Xeon it did not pay, and each backend process pins on its own, so two CPU backends would take the same
-cores; see machine.places).
+GEMM, bf16 where the CPU has it; see engine/quant.py).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -56,7 +53,6 @@ class BackendSpec:
     fused: bool = True
     overlap: bool | None = None  # None: on for a CUDA backend (EngineConfig.validate)
     batch_invariant: bool | None = None  # None: the engine's default (EngineConfig)
-    pin: bool = False
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0
@@ -72,15 +68,14 @@ class BackendSpec:
                             block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
                             compile=self.compile, fused=self.fused, overlap=self.overlap,
-                            batch_invariant=self.batch_invariant, pin=self.pin)
+                            batch_invariant=self.batch_invariant)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
-LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant",
-              "pin")
+LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
 
 
 def is_url(device: str) -> bool:
@@ -100,7 +95,7 @@ def convert(key: str, value: str, name: str, remote: bool = False):
         raise InvalidRequestError(f"backend {name}: {key} is a setting of a remote backend (NAME=http://HOST:PORT)",
                                   "backends")
     try:
-        if key in ("graphs", "compile", "fused", "overlap", "batch_invariant", "pin"):
+        if key in ("graphs", "compile", "fused", "overlap", "batch_invariant"):
             if value not in ("on", "off"):
                 raise ValueError
             return value == "on"

@@ -17,7 +17,6 @@ from mvllm.engine.quant import BATCH_INVARIANT, cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import PENDING, Sequence, Status
 from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
-from mvllm.kernels import cpu_fused
 from mvllm.model.loader import ModelSource, build_model, resolve
 
 DEFAULT_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "mps": torch.float16}
@@ -42,7 +41,6 @@ class EngineConfig:
     overlap: bool | None = None  # schedule step N+1 while step N runs (its tokens read a step later); None: CUDA
     fused: bool = True  # CPU float32: mvllm's fused kernels where they build (off: plain PyTorch ops)
     batch_invariant: bool | None = None  # CPU int8w: None = quant.BATCH_INVARIANT (engine/quant.py)
-    pin: bool = False  # CPU: worker threads one a core, spread (machine.places); off: measured not to pay
     picked: str = ""  # how the CPU mode was chosen
 
     def validate(self) -> None:
@@ -147,11 +145,6 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
                                   config.graphs, config.max_active, self.max_model_len, config.fused,
                                   config.compile)
-        # pin=on: a CPU backend's worker threads one a core, spread over the cores, where it has fewer threads
-        # than cores (Linux, the fused kernels built); an engine on another device, or unpinned, unpins any an
-        # earlier engine of this process pinned.
-        spread = self.runner.fused and config.pin
-        self.pinned = cpu_fused.pin_threads(machine.places(torch.get_num_threads()) if spread else None)
         self.requests: dict[str, Sequence] = {}
         self.inflight: Launched | None = None  # overlap: the step launched last, its ids not yet read
         self.on_schedule: Callable[[Batch], None] | None = None

@@ -104,40 +104,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _ops.argmax(x.contiguous())
 
 
-_pinned = False  # whether pin_threads pinned torch's threads in this process
-
-
-def pin_threads(cpus: list[int] | None) -> list[int] | None:
-    """Torch's OpenMP threads (torch.get_num_threads() of them), worker thread i >= 1 to CPU cpus[i]; thread 0,
-    the caller (Python's thread), stays free to run on any allowed CPU, so the threads and processes it starts do
-    not inherit one CPU. Returns the CPUs of threads 1.. where every thread took its mask, else None (the kernels
-    did not build, or the platform cannot pin). None lets threads that an earlier call pinned run on any allowed
-    CPU again (a later backend of the same process: other threads, or a GPU); it builds nothing."""
-    global _pinned
-    if cpus is None and not _pinned:
-        return None
-    if not available():
-        return None
-    from mvllm import machine
-
-    n = torch.get_num_threads()
-    if cpus is not None and len(cpus) != n:
-        raise ValueError(f"pin_threads: {len(cpus)} CPUs for {n} threads")
-    if cpus is None:  # every place of the widest team an earlier pin may have touched
-        torch.set_num_threads(max(n, machine.logical_cpus()))
-        _ops.pin_threads([-1] * torch.get_num_threads(), machine.ALLOWED)
-        torch.set_num_threads(n)
-        _pinned = False
-        return None
-    _pinned = bool(_ops.pin_threads([-1, *cpus[1:]], machine.ALLOWED))
-    return cpus[1:] if _pinned else None
-
-
-def thread_cpus() -> list[int]:
-    """The CPU each of torch's threads runs on now (-1 each where unknown)."""
-    return list(_ops.thread_cpus()) if available() else [-1] * torch.get_num_threads()
-
-
 # ---- reference versions: plain torch, the semantics the kernels implement ----
 
 def reference_add_rms_norm(x, residual, weight, eps):

@@ -26,6 +26,7 @@ builds. MVLLM_INT8_PATH=lanes8|lanes|int16|float|float4|float8 forces a path, fo
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 
@@ -112,10 +113,7 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     touched, so that (where transparent_hugepage is "madvise" or "always") they are backed by 2 MB pages: a
     decode step streams every weight once, and 4 KB pages cost a TLB miss each. Elsewhere, or if madvise fails,
     a plain tensor of the same shape."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE:
         return torch.empty(shape, dtype=dtype)
     buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)  # large: its own mmap, not yet touched

@@ -79,7 +79,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
            "quant": engine.config.quant, "picked": engine.config.picked, "threads": torch.get_num_threads(),
-           "pinned": engine.pinned, "huge_pages": engine.config.quant == "int8w" and cpu_int8.packs() and cpu_int8.huge_pages(),
+           "huge_pages": engine.config.quant == "int8w" and cpu_int8.packs() and cpu_int8.huge_pages(),
            "max_active": spec.max_active, "graphs": engine.runner.captured, "compiled": engine.runner.compiled,
            "fused": engine.runner.fused, "overlap": engine.config.overlap,
            "batch_invariant": engine.config.batch_invariant, "ready_s": round(ready_s, 1),

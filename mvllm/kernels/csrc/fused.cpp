@@ -5,7 +5,6 @@
 //                    in parallel, then a log-sum-exp merge)
 //   silu_mul         silu(gate) * up
 //   argmax           each row's first index of its largest value (a NaN counts as largest), as torch.argmax
-//   pin_threads      each thread of torch's OpenMP team to a CPU of its own (Linux), and where each one runs
 // Threading goes through at::parallel_for, so torch.set_num_threads applies.
 
 #include <ATen/Parallel.h>
@@ -23,9 +22,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__linux__)
-#include <sched.h>
 #endif
 
 namespace {
@@ -657,48 +653,6 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
-// ---- pin_threads ----
-
-// Thread i of the team of torch.get_num_threads() threads goes to CPU cpus[i], or to every CPU of `all` where
-// cpus[i] < 0 (unpinned). at::parallel_for over one item a thread runs item i on thread i, and OpenMP keeps the
-// same OS thread in each place of a team of that size, so the pins hold for every later parallel region. Returns
-// 1 where every thread took its mask, 0 where one failed or the platform has no sched_setaffinity.
-int64_t pin_threads(at::IntArrayRef cpus, at::IntArrayRef all) {
-#if defined(__linux__)
-  const int64_t n = at::get_num_threads();
-  TORCH_CHECK(static_cast<int64_t>(cpus.size()) == n, "pin_threads: ", cpus.size(), " CPUs for ", n, " threads");
-  std::atomic<int64_t> ok{1};
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      if (cpus[i] >= 0) {
-        CPU_SET(cpus[i], &set);
-      } else {
-        for (int64_t c : all) CPU_SET(c, &set);
-      }
-      if (sched_setaffinity(0, sizeof set, &set) != 0) ok = 0;
-    }
-  });
-  return ok;
-#else
-  (void)cpus, (void)all;
-  return 0;
-#endif
-}
-
-// The CPU each thread of the team runs on now (-1 where sched_getcpu is missing): for the tests of pin_threads.
-std::vector<int64_t> thread_cpus() {
-  const int64_t n = at::get_num_threads();
-  std::vector<int64_t> out(n, -1);
-#if defined(__linux__)
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = sched_getcpu();
-  });
-#endif
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(mvllm_fused, m) {
@@ -709,6 +663,4 @@ TORCH_LIBRARY(mvllm_fused, m) {
         " int block_size, float scale) -> Tensor", &paged_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("argmax(Tensor x) -> Tensor", &argmax);
-  m.def("pin_threads(int[] cpus, int[] all) -> int", &pin_threads);
-  m.def("thread_cpus() -> int[]", &thread_cpus);
 }

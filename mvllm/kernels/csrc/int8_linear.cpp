@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <optional>
 #include <string>
 
@@ -1015,29 +1014,6 @@ void run(const Problem& p) {
   });
 }
 
-// Scratch of at least `bytes`, 64-byte aligned: up to kScratchKeep this thread's buffer, kept for its next call;
-// a larger one (a long prefill) is the call's own, freed when `own` goes.
-constexpr int64_t kScratchKeep = int64_t{16} << 20;
-struct Freer {
-  void operator()(uint8_t* ptr) const { std::free(ptr); }
-};
-using Owned = std::unique_ptr<uint8_t, Freer>;
-uint8_t* scratch(int64_t bytes, Owned& own) {
-  auto get = [](int64_t n) {
-    Owned b(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
-    TORCH_CHECK(b, "int8_linear: could not allocate ", n, " bytes of scratch");
-    return b;
-  };
-  if (bytes > kScratchKeep) {
-    own = get(bytes);
-    return own.get();
-  }
-  thread_local Owned kept;
-  thread_local int64_t kept_bytes = 0;
-  if (bytes > kept_bytes) kept = get(bytes), kept_bytes = bytes;
-  return kept.get();
-}
-
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cpu() && q.is_cpu() && scales.is_cpu(), "int8_linear runs on CPU tensors");
@@ -1085,25 +1061,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
-  // The rounded activations, their scales and offset terms: in one buffer per calling thread, kept between calls
-  // (a decode step makes ~100 of them), so a call allocates only its output.
-  const int64_t ng = groups, align = 64;
-  auto up = [&](int64_t n) { return (n + align - 1) / align * align; };
-  const int64_t q_bytes = up(rows * in * (quads ? 1 : 2)), s_bytes = up(rows * (quads ? ng : 1) * 4);
-  const bool rounds = quads || packed || int16_rows(p.group);
-  Owned own;
-  uint8_t* buf = rounds ? scratch(q_bytes + 2 * s_bytes, own) : nullptr;
+  at::Tensor xq, xs, xc;
   if (quads) {
-    int8_t* xq = reinterpret_cast<int8_t*>(buf);
-    float* xs = reinterpret_cast<float*>(buf + q_bytes);
-    int32_t* xc = reinterpret_cast<int32_t*>(buf + q_bytes + s_bytes);
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { quantize_groups(p, xq, xs, xc, begin, end); });
-    p.x8 = xq, p.x8s = xs, p.x8c = xc;
-  } else if (rounds) {
-    int16_t* xq = reinterpret_cast<int16_t*>(buf);
-    float* xs = reinterpret_cast<float*>(buf + q_bytes);
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { quantize_rows(p, xq, xs, begin, end); });
-    p.xq = xq, p.xs = xs;
+    xq = at::empty({rows, in}, x.options().dtype(at::kChar));
+    xs = at::empty({rows, groups}, x.options());
+    xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      quantize_groups(p, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xc.data_ptr<int32_t>(), begin, end);
+    });
+    p.x8 = xq.data_ptr<int8_t>(), p.x8s = xs.data_ptr<float>(), p.x8c = xc.data_ptr<int32_t>();
+  } else if (packed || int16_rows(p.group)) {
+    xq = at::empty({rows, in}, x.options().dtype(at::kShort));
+    xs = at::empty({rows}, x.options());
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      quantize_rows(p, xq.data_ptr<int16_t>(), xs.data_ptr<float>(), begin, end);
+    });
+    p.xq = xq.data_ptr<int16_t>();
+    p.xs = xs.data_ptr<float>();
   }
   run(p);
   return y;
