@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 import sys
 
@@ -109,35 +110,20 @@ def huge_pages() -> bool:
 
 
 def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose 2 MB-aligned pages are advised MADV_HUGEPAGE before they are first
-    touched, so that (where transparent_hugepage is "madvise" or "always") they are backed by 2 MB pages: a
-    decode step streams every weight once, and 4 KB pages cost a TLB miss each. Elsewhere, or if madvise fails,
-    a plain tensor of the same shape."""
+    """An uninitialised CPU tensor in a private anonymous mapping of its own, advised MADV_HUGEPAGE before it is
+    first touched and starting on a 2 MB boundary, so that (where transparent_hugepage is "madvise" or "always")
+    it is backed by 2 MB pages: a decode step streams every weight once, and 4 KB pages cost a TLB miss each. Not
+    torch.empty: once larger blocks were freed (as quantizing a model does) glibc serves a few MB from its heap,
+    memory already touched, which the advice no longer turns into huge pages (a shared mapping would follow
+    shmem_enabled instead). Under one page, or where the platform has no MADV_HUGEPAGE, a plain tensor."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE:
+    if nbytes < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
-    buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)  # large: its own mmap, not yet touched
+    region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # freed with the tensor
+    region.madvise(mmap.MADV_HUGEPAGE)
+    buf = torch.frombuffer(region, dtype=torch.uint8)
     start = -buf.data_ptr() % HUGE
-    if not _madvise_huge(buf.data_ptr() + start, (nbytes + HUGE - start) // HUGE * HUGE):
-        return torch.empty(shape, dtype=dtype)
     return buf[start:start + nbytes].view(dtype).view(shape)
-
-
-@functools.cache
-def _libc():
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def _madvise_huge(addr: int, length: int) -> bool:
-    MADV_HUGEPAGE = 14  # linux/mman.h
-    try:
-        return _libc().madvise(addr, length, MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, kind: str | None = None,
