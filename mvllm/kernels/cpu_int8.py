@@ -101,6 +101,12 @@ def amx() -> bool:
     return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
 
 
+def set_chunks(n: int) -> int:
+    """How many chunks per thread a call's outputs are cut into, each thread claiming the next (0: one even range
+    per thread); the previous setting back. MVLLM_INT8_CHUNKS sets it at start (default 4)."""
+    return torch.ops.mvllm_int8.set_chunks(n)
+
+
 HUGE = 2 << 20  # a transparent huge page on x86-64 and aarch64 Linux with 4 KB pages
 
 

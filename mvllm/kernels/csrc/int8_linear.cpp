@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -996,6 +997,19 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 // copy stays in L2): at 20 rows, one pass over the weights instead of three. Every row gets the same arithmetic
 // whatever the row count: the accumulation order of y[r, o] depends only on the input size, so a request's result
 // does not depend on what shares its batch.
+// How a call's output blocks are shared among threads: chunks per thread, each thread claiming the next chunk
+// until none are left (0: one even range per thread, at::parallel_for's split). A thread the host slows (its vCPU
+// sharing a core, or descheduled) then takes fewer chunks instead of holding up the rest, as ggml's matmul does
+// with its chunk counter. Chunks are whole blocks of at least kChunkBytes of weights, so each still streams;
+// which thread computes an output changes nothing in its arithmetic. MVLLM_INT8_CHUNKS sets it (default 4);
+// set_chunks() changes it in a running process, for same-process comparisons (experiments/cpu_int8_speed.py).
+constexpr int64_t kChunkBytes = 64 << 10;
+std::atomic<int64_t>& chunks_per_thread() {
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_CHUNKS", 4, 0, 64)};
+  return n;
+}
+int64_t set_chunks(int64_t n) { return chunks_per_thread().exchange(std::clamp<int64_t>(n, 0, 64)); }
+
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
   const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
@@ -1003,13 +1017,31 @@ void run(const Problem& p) {
                        : p.amx ? std::max<int64_t>(pair, kIntRowBytes / p.in / pair * pair)
                        : p.x8  ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
                                : kRowTile;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainOuts / p.block), [&](int64_t begin, int64_t end) {
-    if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
+  const int64_t grain = std::max<int64_t>(1, kGrainOuts / p.block);
+  auto blocks_from = [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += tile)
       for (int64_t b = begin; b < end; ++b) {
         const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
         block(p, r0, std::min(tile, p.rows - r0), o0, outs);
       }
+  };
+  const int64_t threads = at::get_num_threads(), per = chunks_per_thread().load(std::memory_order_relaxed);
+  const int64_t least = std::max(grain, kChunkBytes / std::max<int64_t>(1, p.block * p.in));  // blocks a chunk
+  const int64_t size = std::max(least, (blocks + per * threads - 1) / std::max<int64_t>(1, per * threads));
+  const int64_t n_chunks = (blocks + size - 1) / size;
+  if (per == 0 || threads == 1 || n_chunks <= threads) {  // too few to share out unevenly: one range each
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
+      blocks_from(begin, end);
+      if (p.amx) amx_end();
+    });
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    if (p.amx) amx_begin(p.group);
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
+      blocks_from(c * size, std::min(blocks, (c + 1) * size));
     if (p.amx) amx_end();
   });
 }
@@ -1092,4 +1124,5 @@ TORCH_LIBRARY(mvllm_int8, m) {
   m.def("has_lanes8() -> bool", [] { return kHasLanes8; });
   m.def("amx(int group) -> bool", &amx_on);
   m.def("layout(int group) -> str", &layout);
+  m.def("set_chunks(int n) -> int", &set_chunks);
 }
