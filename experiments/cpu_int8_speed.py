@@ -7,14 +7,15 @@ MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM
 with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
-        [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--chunks 0,4] [--out FILE]
+        [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--knobs chunks=0,chunks=8] [--out FILE]
 
 --memory plain,huge,plain packs the weights once per name (huge: cpu_int8.huge_empty's 2 MB pages; plain: 4 KB
 pages) and times the copies in turn, a step each, --repeats times, in one process: each copy's median against the
 first's, with the host's drift shared.
 
---chunks 0,4,0,4 times the kernel's ways of sharing a call among threads in turn, in one process
-(cpu_int8.set_chunks: chunks per thread, each thread claiming the next; 0: one even range each).
+--knobs chunks=0,chunks=8:stage=0,chunks=8 times settings of the kernel's knobs in turn, in one process
+(cpu_int8.knob: chunks, the chunks per thread each thread claims in turn, 0 one even range each; stage, the next
+block's weights into L2 during a call's later passes over a block).
 
 --gemm also times the GEMM Int8Linear takes above its kernel rows (oneDNN bf16 on a de-quantized copy where
 this CPU has native bf16, else float32), at the same rows: where the kernel could take over (warm prefill).
@@ -86,11 +87,11 @@ def main() -> None:
                     help="also time the GEMM int8w runs above its kernel rows (bf16 where native)")
     ap.add_argument("--paths", help="kernel paths to compare, one process each (MVLLM_INT8_PATH)")
     ap.add_argument("--memory", help="copies of the packed weights to time in turn: plain,huge,... (lanes layouts)")
-    ap.add_argument("--chunks", help="chunk settings to time in turn: 0,4,... (chunks per thread; 0 = one range each)")
+    ap.add_argument("--knobs", help="kernel knob settings to time in turn: chunks=0,chunks=8:stage=0,...")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.chunks:
-        return chunks(a)
+    if a.knobs:
+        return knobs(a)
     if a.paths:
         return compare(a)
     if a.memory:
@@ -178,23 +179,24 @@ def in_turn(rows: int, names: list[str], steps: list[list], setups: list, repeat
             "last_faster_rounds": wins, "rounds": repeats}
 
 
-def chunks(a) -> None:
-    """The same packed weights under several chunk settings (set_chunks: chunks per thread, 0 = one range each),
-    a step of each in turn (one process)."""
+def knobs(a) -> None:
+    """The same packed weights under several settings of the kernel's knobs (cpu_int8.knob: chunks=8:stage=1), a
+    step of each in turn (one process)."""
     if a.threads:
         torch.set_num_threads(a.threads)
     if not cpu_int8.available():
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
-    values = [int(v) for v in a.chunks.split(",")]
+    names = a.knobs.split(",")
+    settings = [[(k, int(v)) for k, _, v in (item.partition("=") for item in name.split(":"))] for name in names]
     quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model)]
     packed = [cpu_int8.pack(q, s) for q, s in quantized] if cpu_int8.packs() else quantized
     out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"),
-           "chunks": values, "rows": []}
+           "knobs": names, "rows": []}
     for rows in [int(r) for r in a.rows.split(",")]:
         xs = [torch.randn(rows, q.shape[1]) for q, _ in quantized]
         fns = [lambda q=q, s=s, x=x: cpu_int8.int8_linear(x, q, s, check=False) for (q, s), x in zip(packed, xs)]
-        setups = [lambda v=v: cpu_int8.set_chunks(v) for v in values]
-        out["rows"].append(in_turn(rows, [f"chunks={v}" for v in values], [fns] * len(values), setups, a.repeats))
+        setups = [lambda kv=kv: [cpu_int8.knob(k, v) for k, v in kv] for kv in settings]
+        out["rows"].append(in_turn(rows, names, [fns] * len(names), setups, a.repeats))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=2)

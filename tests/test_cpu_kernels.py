@@ -275,6 +275,36 @@ def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
         assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), y[:rows]), rows
 
 
+@pytest.mark.parametrize("kind", ["lanes", "lanes8"])
+def test_chunks_and_staging_change_no_bits(kernel, kind):
+    """How a call is shared among threads (chunks per thread, each claiming the next; 0: one range each) and the
+    L2 prefetch of the next block (stage) change only which thread computes an output and when: the same bits, at
+    a decode row, the VNNI blocks' 20 rows (several passes over a block) and 48 (AMX tiles where ck.amx())."""
+    if kind == "lanes8" and not ck.has_lanes8():
+        pytest.skip("this build has no lanes8 kernel (AVX-512 VNNI)")
+    if kind == "lanes" and not ck.has_lanes():
+        pytest.skip("this build has no lanes kernel (AVX2 or AVX-512BW)")
+    gen = torch.Generator().manual_seed(7)
+    q, scales = ck.quantize_weight(torch.randn(1936, 896, generator=gen))  # 121 tiles: the last block partial
+    qp, sp = ck.pack(q, scales, kind)
+    x = torch.randn(48, 896, generator=gen)
+    threads = torch.get_num_threads()
+    before = ck.knob("chunks", 0), ck.knob("stage", 0)
+    try:
+        torch.set_num_threads(max(2, threads))
+        for rows in (1, 20, 48):
+            ck.knob("chunks", 0), ck.knob("stage", 0)
+            plain = ck.int8_linear(x[:rows], qp, sp)
+            for chunks, stage in ((1, 0), (8, 0), (8, 1), (64, 1)):
+                ck.knob("chunks", chunks), ck.knob("stage", stage)
+                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, chunks, stage)
+    finally:
+        ck.knob("chunks", before[0]), ck.knob("stage", before[1])
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="chunks and stage"):
+        ck.knob("nope", 1)
+
+
 @pytest.mark.parametrize("kind,top", [("lanes", 32767), ("lanes8", 127)])
 def test_lanes_integer_activations_are_exact(kernel, kind, top):
     """Integers whose largest magnitude is the layout's step count (a row's for lanes' int16, each group's of 32

@@ -101,10 +101,12 @@ def amx() -> bool:
     return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
 
 
-def set_chunks(n: int) -> int:
-    """How many chunks per thread a call's outputs are cut into, each thread claiming the next (0: one even range
-    per thread); the previous setting back. MVLLM_INT8_CHUNKS sets it at start (default 4)."""
-    return torch.ops.mvllm_int8.set_chunks(n)
+def knob(name: str, value: int) -> int:
+    """Set one of the kernel's knobs in this process, for same-process comparisons; the previous value back.
+    "chunks": chunks per thread a call's outputs are cut into, each thread claiming the next (0: one even range
+    per thread; MVLLM_INT8_CHUNKS, default 8). "stage": 1 prefetches the next block's weights into L2 while a
+    call of several passes over a block computes (MVLLM_INT8_STAGE, default 1)."""
+    return torch.ops.mvllm_int8.knob(name, value)
 
 
 HUGE = 2 << 20  # a transparent huge page on x86-64 and aarch64 Linux with 4 KB pages

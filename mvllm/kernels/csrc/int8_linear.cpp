@@ -511,8 +511,36 @@ int64_t gemm_min() {
   static const int64_t n = env_int("MVLLM_INT8_GEMM_MIN", 8, 1, int64_t{1} << 40);
   return n;
 }
+// Calls of several passes over a block of weights (lanes8_gemm's kGemmRows rows, AMX's 32, a pass each) read the
+// block from memory in the first pass and from L2 in the others, so memory would idle while they compute: each
+// pass instead prefetches (into L2) its share of the next block, which is the next bytes of q, and the first pass
+// finds it there. MVLLM_INT8_STAGE=0 turns it off; knob("stage", 0 or 1) in a running process.
+std::atomic<int64_t>& stage_next() {
+  static std::atomic<int64_t> on{env_int("MVLLM_INT8_STAGE", 1, 0, 1)};
+  return on;
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kHasLanes8 = true;
+
+// The slice of the next block one pass of `passes` over a block prefetches: per group of the pass, `per_group`
+// bytes from at + g * per_group (whole cache lines), up to `end` (q's end).
+struct Stage {
+  const uint8_t* at = nullptr;
+  const uint8_t* end = nullptr;
+  int64_t per_group = 0;
+  void group(int64_t g) const {
+    const uint8_t* from = at + g * per_group;
+    for (const uint8_t* b = from; b < from + per_group && b < end; b += 64) _mm_prefetch(reinterpret_cast<const char*>(b), _MM_HINT_T1);
+  }
+};
+// Pass `i` of `passes` over a block of `bytes` of weights at w (groups ng): its share of the next block's.
+Stage stage(const Problem& p, const uint8_t* w, int64_t bytes, int64_t i, int64_t passes) {
+  if (passes < 2 || !stage_next().load(std::memory_order_relaxed)) return {};
+  const int64_t ng = p.groups(), per_group = (bytes + passes * ng * 64 - 1) / (passes * ng * 64) * 64;
+  return {w + bytes + i * ng * per_group, p.q8 + p.out * p.in, per_group};
+}
+
 
 inline int32_t quad(const int8_t* x) {
   int32_t v;
@@ -567,7 +595,7 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
 // sum and the same float steps whatever R and T, so a row's result does not depend on its batch. (lanes8_block<R> is
 // this at T = 1, kept apart: with the general loops GCC spilled 8 rows' accumulators to the stack.)
 template <int R, int T>
-void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
+void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0, const Stage& next) {
   constexpr int A = R * T == 1 ? 4 : R * T == 2 ? 2 : 1;  // independent accumulators a row and tile
   const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
   const uint8_t* w[T];
@@ -590,6 +618,7 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0) {
       for (int j = 0; j < T; ++j)
         for (int64_t b = 0; b < kLaneOuts * group; b += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + b), _MM_HINT_T0);
+    next.group(g);
     for (int64_t k = 0; k < group; k += 4 * A) {
 #pragma GCC unroll 4
       for (int a = 0; a < A; ++a) {
@@ -668,7 +697,7 @@ void amx_end() { _tile_release(); }
 // 0-3 and are stored; the float steps of a group run after the next group's products are issued, so the tiles
 // and the vector units work at once. The totals stay in `total` (L1) between groups.
 template <int RB, int TB>
-void lanes8_amx(const Problem& p, int64_t r0, int64_t t) {
+void lanes8_amx(const Problem& p, int64_t r0, int64_t t, const Stage& next) {
   const int64_t ng = p.groups(), in = p.in, group = p.group;
   const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
   const uint8_t* w1 = w0 + kLaneOuts * in;
@@ -710,8 +739,10 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t t) {
     }
   };
   products(0, sums[0]);
+  next.group(0);
   for (int64_t g = 1; g < ng; ++g) {
     products(g, sums[g & 1]);
+    next.group(g);
     finish(g - 1, sums[(g - 1) & 1]);
   }
   finish(ng - 1, sums[(ng - 1) & 1]);
@@ -727,14 +758,18 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t t) {
 // returns the rows done (a multiple of 16).
 int64_t amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
   const int64_t pairs = rows / (2 * kAmxRows) * 2 * kAmxRows, full = rows / kAmxRows * kAmxRows;
+  const int64_t passes = pairs / (2 * kAmxRows) + (full > pairs);
+  auto next = [&](int64_t t, int64_t n, int64_t i) { return stage(p, p.q8 + t * kLaneOuts * p.in, n * kLaneOuts * p.in, i, passes); };
   int64_t t = t0;
   for (; t + 2 <= t0 + tiles; t += 2) {
-    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 2>(p, r, t);
-    if (full > pairs) lanes8_amx<1, 2>(p, r0 + pairs, t);
+    int64_t i = 0;
+    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 2>(p, r, t, next(t, 2, i++));
+    if (full > pairs) lanes8_amx<1, 2>(p, r0 + pairs, t, next(t, 2, i));
   }
   if (t < t0 + tiles) {
-    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 1>(p, r, t);
-    if (full > pairs) lanes8_amx<1, 1>(p, r0 + pairs, t);
+    int64_t i = 0;
+    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 1>(p, r, t, next(t, 1, i++));
+    if (full > pairs) lanes8_amx<1, 1>(p, r0 + pairs, t, next(t, 1, i));
   }
   return full;
 }
@@ -758,10 +793,10 @@ struct Lanes8 {
 };
 
 template <int R = 1>
-void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t) {
+void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
   if constexpr (R <= kGemmRows) {
-    if (rows == R) return lanes8_gemm<R, kGemmTiles>(p, r0, t);
-    gemm_rows<R + 1>(p, r0, rows, t);
+    if (rows == R) return lanes8_gemm<R, kGemmTiles>(p, r0, t, next);
+    gemm_rows<R + 1>(p, r0, rows, t, next);
   }
 }
 
@@ -775,9 +810,12 @@ void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tile
   }
   int64_t t = t0;
   if (p.rows >= gemm_min())
-    for (; t + kGemmTiles <= t0 + tiles; t += kGemmTiles)
-      for (int64_t r = r0; r < r0 + rows; r += kGemmRows)
-        gemm_rows(p, r, std::min<int64_t>(kGemmRows, r0 + rows - r), t);
+    for (; t + kGemmTiles <= t0 + tiles; t += kGemmTiles) {
+      const int64_t passes = (rows + kGemmRows - 1) / kGemmRows, bytes = kGemmTiles * kLaneOuts * p.in;
+      for (int64_t i = 0; i < passes; ++i)
+        gemm_rows(p, r0 + i * kGemmRows, std::min<int64_t>(kGemmRows, rows - i * kGemmRows), t,
+                  stage(p, p.q8 + t * kLaneOuts * p.in, bytes, i, passes));
+    }
   for (; t < t0 + tiles; ++t)
     for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
       lane_rows<Lanes8>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
@@ -1001,14 +1039,13 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 // until none are left (0: one even range per thread, at::parallel_for's split). A thread the host slows (its vCPU
 // sharing a core, or descheduled) then takes fewer chunks instead of holding up the rest, as ggml's matmul does
 // with its chunk counter. Chunks are whole blocks of at least kChunkBytes of weights, so each still streams;
-// which thread computes an output changes nothing in its arithmetic. MVLLM_INT8_CHUNKS sets it (default 4);
-// set_chunks() changes it in a running process, for same-process comparisons (experiments/cpu_int8_speed.py).
+// which thread computes an output changes nothing in its arithmetic. MVLLM_INT8_CHUNKS sets it (default 8);
+// knob("chunks", n) changes it in a running process, for same-process comparisons (cpu_int8_speed.py --knobs).
 constexpr int64_t kChunkBytes = 64 << 10;
 std::atomic<int64_t>& chunks_per_thread() {
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_CHUNKS", 4, 0, 64)};
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_CHUNKS", 8, 0, 64)};
   return n;
 }
-int64_t set_chunks(int64_t n) { return chunks_per_thread().exchange(std::clamp<int64_t>(n, 0, 64)); }
 
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
@@ -1044,6 +1081,13 @@ void run(const Problem& p) {
       blocks_from(c * size, std::min(blocks, (c + 1) * size));
     if (p.amx) amx_end();
   });
+}
+
+// Same-process experiments: set "chunks" (chunks per thread) or "stage" (0 or 1); the previous value back.
+int64_t knob(const std::string& name, int64_t value) {
+  if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks and stage, got ", name);
+  return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
@@ -1124,5 +1168,5 @@ TORCH_LIBRARY(mvllm_int8, m) {
   m.def("has_lanes8() -> bool", [] { return kHasLanes8; });
   m.def("amx(int group) -> bool", &amx_on);
   m.def("layout(int group) -> str", &layout);
-  m.def("set_chunks(int n) -> int", &set_chunks);
+  m.def("knob(str name, int value) -> int", &knob);
 }
