@@ -301,8 +301,29 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
     finally:
         ck.knob("chunks", before[0]), ck.knob("stage", before[1])
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="chunks and stage"):
+    with pytest.raises(RuntimeError, match="chunks, stage and amx_above"):
         ck.knob("nope", 1)
+
+
+def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
+    """With AMX, a call's rows go in passes of 32 and one of what is left (tiles configured to 1-31 rows, in one
+    A tile or two): each row's bits are those of the VNNI blocks (amx_above beyond every call) and of the row
+    alone, whichever calls take the tiles (amx_above 0: all of them)."""
+    if not ck.amx():
+        pytest.skip("no AMX tiles here (a Sapphire Rapids or later Xeon, the tile state granted by Linux)")
+    gen = torch.Generator().manual_seed(11)
+    q, scales = ck.quantize_weight(torch.randn(1936, 896, generator=gen))  # 121 tiles: blocks of 2 and 1
+    bias = torch.randn(1936, generator=gen)
+    qp, sp = ck.pack(q, scales, "lanes8")
+    x = torch.randn(70, 896, generator=gen)
+    before = ck.knob("amx_above", 1 << 40)
+    try:
+        vnni = ck.int8_linear(x, qp, sp, bias)
+        ck.knob("amx_above", 0)
+        for rows in (1, 2, 7, 15, 16, 17, 20, 31, 32, 33, 47, 64, 70):
+            assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), rows
+    finally:
+        ck.knob("amx_above", before)
 
 
 @pytest.mark.parametrize("kind,top", [("lanes", 32767), ("lanes8", 127)])

@@ -96,8 +96,8 @@ def has_lanes8() -> bool:
 
 
 def amx() -> bool:
-    """Whether lanes8 calls of more than 32 rows take AMX tiles here: built with AMX (-march=native on a Sapphire
-    Rapids or later Xeon), the tile state granted by Linux, MVLLM_INT8_AMX not 0."""
+    """Whether lanes8 calls of more than knob("amx_above") rows (default 8) take AMX tiles here: built with AMX
+    (-march=native on a Sapphire Rapids or later Xeon), the tile state granted by Linux, MVLLM_INT8_AMX not 0."""
     return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
 
 
@@ -105,7 +105,8 @@ def knob(name: str, value: int) -> int:
     """Set one of the kernel's knobs in this process, for same-process comparisons; the previous value back.
     "chunks": chunks per thread a call's outputs are cut into, each thread claiming the next (0: one even range
     per thread; MVLLM_INT8_CHUNKS, default 8). "stage": 1 prefetches the next block's weights into L2 while a
-    call of several passes over a block computes (MVLLM_INT8_STAGE, default 1)."""
+    call of several passes over a block computes (MVLLM_INT8_STAGE, default 1). "amx_above": calls of more rows
+    than this take AMX tiles where amx() (MVLLM_INT8_AMX_ABOVE, default 8)."""
     return torch.ops.mvllm_int8.knob(name, value)
 
 

@@ -60,7 +60,7 @@ struct Problem {
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
-  bool amx = false;           // lanes8: calls of more than kAmxAbove rows take AMX tiles (each thread loads their config)
+  bool amx = false;           // lanes8: calls of more than amx_above() rows take AMX tiles (each thread loads their config)
   int64_t groups() const { return in / group; }
 };
 
@@ -502,10 +502,13 @@ void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 // batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
 constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 above gemm_min() rows: 12 accumulators, 12 totals
 constexpr int64_t kAmxRows = 16;              // AMX (below): the rows of a tile
-// Calls of more rows than this take AMX tiles; up to it the VNNI blocks stay. On the H200 machine's Xeon a cold
-// 20-token prompt took 25-28 ms with them and 34-36 with tiles (8 and 16 threads); at 64 rows the tiles took
-// 0.57-0.77x the VNNI blocks' time (results/profile/README.md).
-constexpr int64_t kAmxAbove = 32;
+// Calls of more rows than this take AMX tiles; up to it the VNNI blocks stay. A call's rows go in passes of 32 (two
+// A tiles of 16) and one pass of what is left, its tiles configured to those rows, so a 20-row call reads each block
+// once. MVLLM_INT8_AMX_ABOVE sets it (default 8); knob("amx_above", n) in a running process.
+std::atomic<int64_t>& amx_above() {
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
+  return n;
+}
 // MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
 int64_t gemm_min() {
   static const int64_t n = env_int("MVLLM_INT8_GEMM_MIN", 8, 1, int64_t{1} << 40);
@@ -661,9 +664,8 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0, const Stage& next) {
 // of 64 bytes (4 inputs x 16 outputs), is B; kAmxRows activation rows of the group (int8, row stride `in`) are A;
 // one tdpbsud (A signed, B unsigned) gives the 16 x 16 int32 sums vpdpbusd gives, exactly. They are stored and
 // finished by the same float steps as lanes8_block, so a row's result is the same bits on either path. Used in calls
-// of more than kAmxAbove rows, in blocks of 32 rows x 2 tiles (then 16 x 1), where the build has AMX, Linux
-// grants the tile state (arch_prctl), the group fits one tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0. Rows
-// left over (under 16) take lanes8_gemm / lanes8_block.
+// of more than amx_above() rows, in passes of up to 32 rows over blocks of 2 tiles (then 1), where the build has AMX,
+// Linux grants the tile state (arch_prctl), the group fits one tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)
 constexpr bool kHasAmx = true;
@@ -682,27 +684,41 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: sums (16 rows x 16 int32); 4, 5: activations (16 rows x group bytes); 6, 7: weights (group / 4
-// rows of 64 bytes).
-void amx_begin(int64_t group) {
+// Tiles 0-3: sums (rows x 16 int32; 0, 1 the first A tile's rows m1, 2, 3 the second's, m2); 4, 5: activations
+// (m1 and m2 rows x group bytes); 6, 7: weights (group / 4 rows of 64 bytes). Each thread keeps the shape it loaded,
+// so a pass of another row count loads a new configuration only when the shape changes.
+struct AmxShape {
+  int64_t group = 0, m1 = 0, m2 = 0;
+};
+thread_local AmxShape amx_shape;
+void amx_configure(int64_t m1, int64_t m2) {
+  AmxShape& now = amx_shape;
+  if (now.m1 == m1 && now.m2 == m2) return;
   TileConfig c;
-  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
-  for (int t : {4, 5}) c.rows[t] = kAmxRows, c.colsb[t] = static_cast<uint16_t>(group);
-  for (int t : {6, 7}) c.rows[t] = static_cast<uint8_t>(group / 4), c.colsb[t] = 64;
+  const int64_t m[2] = {m1, m2 > 0 ? m2 : m1};  // an unused second A tile keeps a valid shape
+  for (int t = 0; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(m[t / 2]), c.colsb[t] = 64;
+  for (int t : {4, 5}) c.rows[t] = static_cast<uint8_t>(m[t - 4]), c.colsb[t] = static_cast<uint16_t>(now.group);
+  for (int t : {6, 7}) c.rows[t] = static_cast<uint8_t>(now.group / 4), c.colsb[t] = 64;
   _tile_loadconfig(&c);
+  now.m1 = m1, now.m2 = m2;
 }
-void amx_end() { _tile_release(); }
+void amx_begin(int64_t group) { amx_shape = {group, 0, 0}; }
+void amx_end() {
+  if (amx_shape.m1) _tile_release();
+  amx_shape = {};
+}
 
-// Rows [r0, r0 + 16 RB) x tiles [t, t + TB), RB and TB 1 or 2: each group's RB x TB products go to sum tiles
-// 0-3 and are stored; the float steps of a group run after the next group's products are issued, so the tiles
-// and the vector units work at once. The totals stay in `total` (L1) between groups.
+// Rows [r0, r0 + m1 + m2) x tiles [t, t + TB), in RB A tiles of m1 and m2 rows (RB 2, or 1 with m2 = 0, each at
+// most 16; the tiles configured so) and TB 1 or 2: each group's RB x TB products go to sum tiles 0-3 and are stored;
+// the float steps of a group run after the next group's products are issued, so the tiles and the vector units work
+// at once. The totals stay in `total` (L1) between groups.
 template <int RB, int TB>
-void lanes8_amx(const Problem& p, int64_t r0, int64_t t, const Stage& next) {
-  const int64_t ng = p.groups(), in = p.in, group = p.group;
+void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t, const Stage& next) {
+  const int64_t ng = p.groups(), in = p.in, group = p.group, m[2] = {m1, m2};
   const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
   const uint8_t* w1 = w0 + kLaneOuts * in;
   const int8_t* x0 = p.x8 + r0 * in;
-  const int8_t* x1 = x0 + kAmxRows * in;
+  const int8_t* x1 = x0 + m1 * in;
   alignas(64) int32_t sums[2][RB * TB][kAmxRows * kLaneOuts];
   alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
   auto products = [&](int64_t g, int32_t (*c)[kAmxRows * kLaneOuts]) {
@@ -728,8 +744,8 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t t, const Stage& next) {
       const uint16_t* sc = p.scales16 + ((t + j) * ng + g) * kLaneOuts;
       const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       for (int i = 0; i < RB; ++i)
-        for (int r = 0; r < kAmxRows; ++r) {
-          const int64_t row = r0 + i * kAmxRows + r;
+        for (int64_t r = 0; r < m[i]; ++r) {
+          const int64_t row = r0 + i * m1 + r;
           const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[i * TB + j] + r * kLaneOuts),
                                                _mm512_set1_epi32(p.x8c[row * ng + g]));
           const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x8s[row * ng + g]));
@@ -746,39 +762,43 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t t, const Stage& next) {
     finish(g - 1, sums[(g - 1) & 1]);
   }
   finish(ng - 1, sums[(ng - 1) & 1]);
-  for (int i = 0; i < RB * kAmxRows; ++i)
-    for (int j = 0; j < TB; ++j) {
-      __m512 v = _mm512_load_ps(total[i] + j * kLaneOuts);
-      if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
-      _mm512_storeu_ps(p.y + (r0 + i) * p.out + (t + j) * kLaneOuts, v);
-    }
+  for (int i = 0; i < RB; ++i)
+    for (int64_t r = 0; r < m[i]; ++r)
+      for (int j = 0; j < TB; ++j) {
+        __m512 v = _mm512_load_ps(total[i * kAmxRows + r] + j * kLaneOuts);
+        if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
+        _mm512_storeu_ps(p.y + (r0 + i * m1 + r) * p.out + (t + j) * kLaneOuts, v);
+      }
 }
 
-// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in blocks of 32 rows x 2 tiles, then what is left in 16 x 1;
-// returns the rows done (a multiple of 16).
-int64_t amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-  const int64_t pairs = rows / (2 * kAmxRows) * 2 * kAmxRows, full = rows / kAmxRows * kAmxRows;
-  const int64_t passes = pairs / (2 * kAmxRows) + (full > pairs);
-  auto next = [&](int64_t t, int64_t n, int64_t i) { return stage(p, p.q8 + t * kLaneOuts * p.in, n * kLaneOuts * p.in, i, passes); };
-  int64_t t = t0;
-  for (; t + 2 <= t0 + tiles; t += 2) {
-    int64_t i = 0;
-    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 2>(p, r, t, next(t, 2, i++));
-    if (full > pairs) lanes8_amx<1, 2>(p, r0 + pairs, t, next(t, 2, i));
+// One pass over tiles [t, t + TB) for rows [r0, r0 + rows), rows 1-32: two A tiles above 16 rows, else one.
+template <int TB>
+void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
+  const int64_t m1 = std::min(rows, kAmxRows), m2 = rows - m1;
+  amx_configure(m1, m2);
+  if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next);
+  else lanes8_amx<1, TB>(p, r0, m1, 0, t, next);
+}
+
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 32 rows over blocks of 2 tiles (then 1).
+void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
+  const int64_t pair = 2 * kAmxRows, passes = (rows + pair - 1) / pair;
+  for (int64_t t = t0; t < t0 + tiles; t += 2) {
+    const int64_t n = std::min<int64_t>(2, t0 + tiles - t), bytes = n * kLaneOuts * p.in;
+    for (int64_t i = 0; i < passes; ++i) {
+      const int64_t r = r0 + i * pair, m = std::min(pair, r0 + rows - r);
+      const Stage next = stage(p, p.q8 + t * kLaneOuts * p.in, bytes, i, passes);
+      if (n == 2) amx_pass<2>(p, r, m, t, next);
+      else amx_pass<1>(p, r, m, t, next);
+    }
   }
-  if (t < t0 + tiles) {
-    int64_t i = 0;
-    for (int64_t r = r0; r < r0 + pairs; r += 2 * kAmxRows) lanes8_amx<2, 1>(p, r, t, next(t, 1, i++));
-    if (full > pairs) lanes8_amx<1, 1>(p, r0 + pairs, t, next(t, 1, i));
-  }
-  return full;
 }
 #else
 constexpr bool kHasAmx = false;
 bool amx_permitted() { return false; }
 void amx_begin(int64_t) {}
 void amx_end() {}
-int64_t amx_rows(const Problem&, int64_t, int64_t, int64_t, int64_t) { return 0; }
+void amx_rows(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
 // AMX is used here (built, permitted, not turned off by MVLLM_INT8_AMX=0), for calls with this group.
@@ -803,11 +823,7 @@ void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stag
 // Rows [r0, r0 + rows) x tiles [t0, t0 + tiles): above gemm_min() rows kGemmTiles tiles at a time, kGemmRows rows
 // at a time; else (and for the tiles left over) one tile, kMaxLaneRows rows at a time.
 void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-  if (p.amx && rows >= kAmxRows) {
-    const int64_t done = amx_rows(p, r0, rows, t0, tiles);
-    if (done == rows) return;
-    r0 += done, rows -= done;
-  }
+  if (p.amx) return amx_rows(p, r0, rows, t0, tiles);
   int64_t t = t0;
   if (p.rows >= gemm_min())
     for (; t + kGemmTiles <= t0 + tiles; t += kGemmTiles) {
@@ -941,8 +957,8 @@ std::string layout(int64_t group) { return packs8(group) ? "lanes8" : packs(grou
 // The path a call with this group size takes, and its instructions: what the profile records.
 std::string path_name(int64_t group) {
   if (packs8(group))
-    return amx_on(group) ? "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector; AMX tiles above 32 rows)"
-                         : "lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector)";
+    return std::string("lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector") +
+           (amx_on(group) ? "; AMX tiles above " + std::to_string(amx_above().load()) + " rows)" : ")");
   if (packs(group)) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return "lanes (int16, AVX-512 VNNI vpdpwssd, 16 outputs a vector)";
@@ -1083,10 +1099,12 @@ void run(const Problem& p) {
   });
 }
 
-// Same-process experiments: set "chunks" (chunks per thread) or "stage" (0 or 1); the previous value back.
+// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1) or "amx_above" (rows); the previous
+// value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks and stage, got ", name);
+  if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage and amx_above, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
@@ -1133,7 +1151,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
   p.lanes = packed && !quads;
-  p.amx = quads && rows > kAmxAbove && amx_on(p.group);
+  p.amx = quads && rows > amx_above().load(std::memory_order_relaxed) && amx_on(p.group);
   if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
   else if (path() == Path::kFloat8) p.block = 8;
   p.ahead = p.block * ahead_blocks();
