@@ -517,7 +517,8 @@ int64_t gemm_min() {
 // Calls of several passes over a block of weights (lanes8_gemm's kGemmRows rows, AMX's 32, a pass each) read the
 // block from memory in the first pass and from L2 in the others, so memory would idle while they compute: each
 // pass instead prefetches (into L2) its share of the next block, which is the next bytes of q, and the first pass
-// finds it there. MVLLM_INT8_STAGE=0 turns it off; knob("stage", 0 or 1) in a running process.
+// finds it there. A call of one pass (AMX's up to 32 rows) prefetches the whole next block, so that it computes
+// on one block while the next streams in. MVLLM_INT8_STAGE=0 turns it off; knob("stage", 0 or 1) in a running process.
 std::atomic<int64_t>& stage_next() {
   static std::atomic<int64_t> on{env_int("MVLLM_INT8_STAGE", 1, 0, 1)};
   return on;
@@ -539,7 +540,7 @@ struct Stage {
 };
 // Pass `i` of `passes` over a block of `bytes` of weights at w (groups ng): its share of the next block's.
 Stage stage(const Problem& p, const uint8_t* w, int64_t bytes, int64_t i, int64_t passes) {
-  if (passes < 2 || !stage_next().load(std::memory_order_relaxed)) return {};
+  if (!stage_next().load(std::memory_order_relaxed)) return {};
   const int64_t ng = p.groups(), per_group = (bytes + passes * ng * 64 - 1) / (passes * ng * 64) * 64;
   return {w + bytes + i * ng * per_group, p.q8 + p.out * p.in, per_group};
 }
@@ -740,19 +741,22 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
     if constexpr (RB == 2 && TB == 2) _tile_stored(3, c[3], 64);
   };
   auto finish = [&](int64_t g, int32_t (*c)[kAmxRows * kLaneOuts]) {  // the float steps of lanes8_block
-    for (int j = 0; j < TB; ++j) {
-      const uint16_t* sc = p.scales16 + ((t + j) * ng + g) * kLaneOuts;
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-      for (int i = 0; i < RB; ++i)
-        for (int64_t r = 0; r < m[i]; ++r) {
-          const int64_t row = r0 + i * m1 + r;
-          const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[i * TB + j] + r * kLaneOuts),
-                                               _mm512_set1_epi32(p.x8c[row * ng + g]));
-          const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x8s[row * ng + g]));
+    __m512 s[TB];
+    for (int j = 0; j < TB; ++j)
+      s[j] = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales16 + ((t + j) * ng + g) * kLaneOuts)));
+    for (int i = 0; i < RB; ++i)
+      for (int64_t r = 0; r < m[i]; ++r) {  // a row's offset and scale broadcast once for its TB tiles
+        const int64_t row = r0 + i * m1 + r;
+        const __m512i off = _mm512_set1_epi32(p.x8c[row * ng + g]);
+        const __m512 xs = _mm512_set1_ps(p.x8s[row * ng + g]);
+        for (int j = 0; j < TB; ++j) {
+          const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[i * TB + j] + r * kLaneOuts), off);
           float* tot = total[i * kAmxRows + r] + j * kLaneOuts;
+          const __m512 scale = _mm512_mul_ps(s[j], xs);
           _mm512_store_ps(tot, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, _mm512_load_ps(tot)));
         }
-    }
+      }
   };
   products(0, sums[0]);
   next.group(0);
