@@ -259,7 +259,7 @@ def test_lanes8_falls_back_without_kernel(monkeypatch):
 def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
     """lanes8 computes exactly what int8 activations per group give (to float rounding), stays within their
     accuracy of the float result, and gives each row alone the bits it gets in a batch of up to 72. Where AMX
-    is used (ck.amx()), calls of more than 32 rows take the tiles (blocks of 32 or 16 rows, of 2 tiles or 1: 80
+    is used (ck.amx()), calls of more than 8 rows take the tiles (passes of up to 32 rows, of 2 tiles or 1: 80
     outputs are 5 tiles, 96 inputs 3 groups) and a row alone takes vpdpbusd: the same bits."""
     gen = torch.Generator().manual_seed(out + inputs + 1)
     q, scales = ck.quantize_weight(torch.randn(out, inputs, generator=gen))

@@ -47,7 +47,7 @@ LANES_MAX_ROWS = 16
 # one call, commit f8eca13, the GEMM timed in each path's process): 32 rows took 0.80-0.93x its time at 8 threads
 # and 0.36-0.59x at 16; 64 rows 1.11-1.31x at 8 threads.
 LANES8_MAX_ROWS = 32
-# ... and this many where the lanes8 kernel has AMX tiles (cpu_int8.amx(); above 32 rows): every step, so no
+# ... and this many where the lanes8 kernel has AMX tiles (cpu_int8.amx(); above 8 rows): every step, so no
 # de-quantized copy is kept and a row's result never depends on its batch.
 AMX_MAX_ROWS = math.inf
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
