@@ -107,9 +107,9 @@ def main(backends: str = BACKENDS, name: str = "soak") -> int:
     growth = result["server_rss_mb_after"] - result["server_rss_mb_before"]
     result.update(server_rss_growth_mb=round(growth, 1), model=MODEL, cpu=cpu_name(), python=platform.python_version(),
                   git_commit=git_commit(), backends=backends,
-                  command="make soak (python tests/soak.py)" if backends == BACKENDS else
-                  "make soak (python tests/soak.py int8w int8w-invariant)" if backends == INT8W else
-                  f"python tests/soak.py {backends} {name.removeprefix('soak-')}")
+                  command="make soak (python tests/soak.py)" if name == "soak" else
+                  "make soak (python tests/soak.py int8w int8w-invariant)" if name == "soak-int8w-invariant" else
+                  f"python tests/soak.py {'int8w' if backends == INT8W else backends} {name.removeprefix('soak-')}")
     ok = (result["failed"] == 0 and result["wrong_tokens"] == 0 and result["pools_after"] == result["pools_before"]
           and result["completed"] == REQUESTS - REQUESTS // 3 and growth < RSS_LIMIT_MB and result["health"] == 200)
     result["passed"] = ok
