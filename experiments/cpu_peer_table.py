@@ -131,7 +131,7 @@ def main() -> None:
         print(f"{r['backend']:<10} {r['cell']:<8} {r['batch']:>5} {r['threads']:>7} {n:>5} {r['mvllm']:>9} "
               f"{'-' if r.get('llama_cpp') is None else r['llama_cpp']:>9} {'-' if ratio is None else ratio:>6}"
               + (f"  ({spread[0]}-{spread[1]})" if spread else ""))
-    (a.json or a.out / "table.json").write_text(json.dumps(t, indent=1) + "\n")
+    (a.json or a.out / "table.json").write_text(json.dumps(t, separators=(",", ":")) + "\n")  # compact: the tree travels
     if a.bundle:
         bundle(a.out)
 

@@ -55,7 +55,7 @@ def write_requests(path: Path, records: list[RequestRecord]) -> None:
             w.writerow([r.id, r.backend, repr(r.arrival), _num(r.sent), _num(r.first_token), _num(r.finish),
                         ms(r.ttft) if ok else "", ms(r.tpot) if ok else "", ms(r.e2el) if ok else "",
                         r.prompt_tokens, "" if r.cached_tokens is None else r.cached_tokens, r.output_tokens,
-                        r.error, " ".join(f"{1000.0 * x:.4f}" for x in r.itl), _num(r.max_tokens),
+                        r.error, " ".join(f"{1000.0 * x:.3f}" for x in r.itl), _num(r.max_tokens),
                         _num(r.target_tokens), r.finish_reason, _num(r.parent)])
 
 
