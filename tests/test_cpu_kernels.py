@@ -303,12 +303,14 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="chunks, stage and amx_above"):
         ck.knob("nope", 1)
+    before = ck.knob("amx_above", 5)  # the setting round-trips on every build (it changes calls only with AMX)
+    assert (before, ck.knob("amx_above", before)) == (int(os.environ.get("MVLLM_INT8_AMX_ABOVE", 8)), 5)
 
 
 def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
     """With AMX, a call's rows go in passes of 32 and one of what is left (tiles configured to 1-31 rows, in one
-    A tile or two): each row's bits are those of the VNNI blocks (amx_above beyond every call) and of the row
-    alone, whichever calls take the tiles (amx_above 0: all of them)."""
+    A tile or two): each call's bits are those of the same rows in a 70-row call on the VNNI blocks (amx_above
+    beyond every call), with every call on the tiles (amx_above 0)."""
     if not ck.amx():
         pytest.skip("no AMX tiles here (a Sapphire Rapids or later Xeon, the tile state granted by Linux)")
     gen = torch.Generator().manual_seed(11)
