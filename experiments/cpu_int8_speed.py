@@ -15,7 +15,8 @@ first's, with the host's drift shared.
 
 --knobs chunks=0,chunks=8:stage=0,chunks=8 times settings of the kernel's knobs in turn, in one process
 (cpu_int8.knob: chunks, the chunks per thread each thread claims in turn, 0 one even range each; stage, the next
-block's weights into L2 during a call's passes over a block; amx_above, the rows above which calls take AMX tiles).
+block's weights into L2 during a call's passes over a block; amx_above, the rows above which calls take AMX tiles;
+bands, 1: a call's rows cut into bands the threads claim apart, 0: a chunk's rows all with the thread claiming it).
 
 --gemm also times the GEMM Int8Linear takes above its kernel rows (oneDNN bf16 on a de-quantized copy where
 this CPU has native bf16, else float32), at the same rows: where the kernel could take over (warm prefill).

@@ -86,3 +86,22 @@ def test_the_setting_is_parsed_and_checked():
         parse_backends("cpu=cpu/batch_invariant=yes")
     with pytest.raises(InvalidRequestError, match="batch_invariant=on is a setting of quant=int8w"):
         Engine(EngineConfig(model="synthetic:tiny-qwen2", dtype="float32", batch_invariant=True))
+
+
+def test_out_rows_skip_the_last_layer_for_the_other_rows():
+    """The fused path with meta.out_rows (the rows the LM head reads: each prefill's last) returns those rows only;
+    its last layer computes only them past the KV-cache write, and they are the full forward's rows, bit for bit
+    (batch-invariant linears; one thread keeps each token's keys whole in attention)."""
+    engine = Engine(EngineConfig(model="synthetic:tiny-qwen2", quant="int8w", batch_invariant=True, threads=1,
+                                 num_blocks=64))
+    a = [(5 * k) % 400 + 1 for k in range(13)]
+    b = [(3 * k) % 400 + 2 for k in range(40)]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(2)]
+    meta = build_meta([(0, 13), (0, 40)], tables, engine.config.block_size, torch.device("cpu"), "fused")
+    ids, positions = torch.tensor(a + b), torch.tensor(list(range(13)) + list(range(40)))
+    with torch.inference_mode():
+        full = engine.model(ids, positions, engine.runner.caches, meta).clone()
+        meta.out_rows = torch.tensor([12, 52])
+        some = engine.model(ids, positions, engine.runner.caches, meta)
+    assert some.shape == (2, full.shape[1])
+    assert torch.equal(some, full[[12, 52]])

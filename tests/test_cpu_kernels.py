@@ -279,7 +279,8 @@ def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
 def test_chunks_and_staging_change_no_bits(kernel, kind):
     """How a call is shared among threads (chunks per thread, each claiming the next; 0: one range each) and the
     L2 prefetch of the next block (stage) change only which thread computes an output and when: the same bits, at
-    a decode row, the VNNI blocks' 20 rows (several passes over a block) and 48 (AMX tiles where ck.amx())."""
+    a decode row, the VNNI blocks' 20 rows (several passes over a block), 48 (AMX tiles where ck.amx()) and 300 (the
+    rows cut into bands, narrower where the call has few chunks a thread)."""
     if kind == "lanes8" and not ck.has_lanes8():
         pytest.skip("this build has no lanes8 kernel (AVX-512 VNNI)")
     if kind == "lanes" and not ck.has_lanes():
@@ -287,21 +288,21 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
     gen = torch.Generator().manual_seed(7)
     q, scales = ck.quantize_weight(torch.randn(1936, 896, generator=gen))  # 121 tiles: the last block partial
     qp, sp = ck.pack(q, scales, kind)
-    x = torch.randn(48, 896, generator=gen)
+    x = torch.randn(300, 896, generator=gen)
     threads = torch.get_num_threads()
     before = ck.knob("chunks", 0), ck.knob("stage", 0)
     try:
         torch.set_num_threads(max(2, threads))
-        for rows in (1, 20, 48):
+        for rows in (1, 20, 48, 300):
             ck.knob("chunks", 0), ck.knob("stage", 0)
             plain = ck.int8_linear(x[:rows], qp, sp)
-            for chunks, stage in ((1, 0), (8, 0), (8, 1), (64, 1)):
-                ck.knob("chunks", chunks), ck.knob("stage", stage)
-                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, chunks, stage)
+            for chunks, stage, bands in ((1, 0, 1), (8, 0, 1), (8, 1, 1), (64, 1, 1), (8, 1, 0), (1, 0, 0)):
+                ck.knob("chunks", chunks), ck.knob("stage", stage), ck.knob("bands", bands)
+                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, chunks, stage, bands)
     finally:
-        ck.knob("chunks", before[0]), ck.knob("stage", before[1])
+        ck.knob("chunks", before[0]), ck.knob("stage", before[1]), ck.knob("bands", 1)
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="chunks, stage and amx_above"):
+    with pytest.raises(RuntimeError, match="chunks, stage, amx_above and bands"):
         ck.knob("nope", 1)
     before = ck.knob("amx_above", 5)  # the setting round-trips on every build (it changes calls only with AMX)
     assert (before, ck.knob("amx_above", before)) == (int(os.environ.get("MVLLM_INT8_AMX_ABOVE", 8)), 5)

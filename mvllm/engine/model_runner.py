@@ -119,7 +119,8 @@ class ModelRunner:
         device, written over the token ids of those rows (the PENDING ones) before the step runs."""
         key = self.graphs.bucket(spans) if self.graphs else None
         if key is None:
-            hidden = self.forward(seqs, spans, fill)
+            hidden = self.forward(seqs, spans, fill, rows)
+            rows = None if self.fused else rows  # the fused path returned those rows only
         else:
             hidden = self.graphs.run(seqs, spans, key, fill)
             if key[0] <= HEAD_ROWS:
@@ -128,10 +129,15 @@ class ModelRunner:
         logits = self.model.logits(hidden if rows is None else hidden[rows])
         return logits, (cpu_fused.argmax(logits) if self.fused else None)  # torch's CPU argmax is scalar code
 
-    def forward(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None) -> torch.Tensor:
+    def forward(self, seqs, spans: list[tuple[int, int]], fill: Fill | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states of the new tokens; on the fused CPU path only those at `rows`, if given (the last
+        layer computes only them past its KV-cache write)."""
         ids = [t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]]
         positions = [p for a, b in spans for p in range(a, b)]
         meta = build_meta(spans, [s.block_table for s in seqs], self.block_size, self.device, self.layout)
+        if self.fused:
+            meta.out_rows = rows
         as_long = dict(dtype=torch.long, device=self.device)
         ids = torch.tensor(ids, **as_long)
         if fill is not None:

@@ -39,6 +39,7 @@ class AttnMeta:
     token_seq: torch.Tensor | None = None  # fused: [T] row of block_index each token belongs to
     key_len: torch.Tensor | None = None  # fused: [T] keys each token attends to (its position + 1)
     packed: torch.Tensor | None = None  # table: [T, 4 + W] token id, position, slot, key length, block table
+    out_rows: torch.Tensor | None = None  # fused: the rows whose hidden state is returned (None: all)
 
 
 def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,

@@ -22,14 +22,18 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, caches: lis
     x = model.embed_tokens(input_ids)
     cos, sin = model.rotary.cos[positions], model.rotary.sin[positions]
     layers = getattr(model, "cpu_layers", None)
+    rows = meta.out_rows
     if layers is not None and layers.serves(x.shape[0]):
-        return layers.forward(model, x, cos, sin, caches, meta)
-    residual = None
-    for layer, cache in zip(model.layers, caches):
+        h = layers.forward(model, x, cos, sin, caches, meta)
+        return h if rows is None else h[rows]
+    residual, token_seq, key_len, last = None, meta.token_seq, meta.key_len, len(model.layers) - 1
+    for i, (layer, cache) in enumerate(zip(model.layers, caches)):
         attn, mlp = layer.self_attn, layer.mlp
         h, residual = cpu_fused.add_rms_norm(x, residual, layer.input_layernorm.weight, cfg.rms_norm_eps)
         q = cpu_fused.rope_store(attn.qkv_proj(h), cos, sin, cache, meta.slot_mapping, attn.heads, attn.kv_heads)
-        out = cpu_fused.paged_attention(q, cache, meta.block_index, meta.token_seq, meta.key_len, meta.block_size,
+        if i == last and rows is not None:  # past the last KV write only the returned rows count (a prefill's last)
+            q, residual, token_seq, key_len = q[rows], residual[rows], token_seq[rows], key_len[rows]
+        out = cpu_fused.paged_attention(q, cache, meta.block_index, token_seq, key_len, meta.block_size,
                                         attn.scale)
         h, residual = cpu_fused.add_rms_norm(attn.o_proj(out), residual, layer.post_attention_layernorm.weight,
                                              cfg.rms_norm_eps)

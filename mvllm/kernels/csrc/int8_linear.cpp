@@ -1062,6 +1062,11 @@ void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
 // which thread computes an output changes nothing in its arithmetic. MVLLM_INT8_CHUNKS sets it (default 8);
 // knob("chunks", n) changes it in a running process, for same-process comparisons (cpu_int8_speed.py --knobs).
 constexpr int64_t kChunkBytes = 64 << 10;
+constexpr int64_t kMinBand = 64;  // rows a work unit at least, where a call's rows are cut into bands (run)
+std::atomic<int64_t>& bands_on() {
+  static std::atomic<int64_t> on{env_int("MVLLM_INT8_BANDS", 1, 0, 1)};
+  return on;
+}
 std::atomic<int64_t>& chunks_per_thread() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_CHUNKS", 8, 0, 64)};
   return n;
@@ -1075,21 +1080,32 @@ void run(const Problem& p) {
                        : p.x8  ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
                                : kRowTile;
   const int64_t grain = std::max<int64_t>(1, kGrainOuts / p.block);
-  auto blocks_from = [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < p.rows; r0 += tile)
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
-        block(p, r0, std::min(tile, p.rows - r0), o0, outs);
-      }
-  };
   const int64_t threads = at::get_num_threads(), per = chunks_per_thread().load(std::memory_order_relaxed);
   const int64_t least = std::max(grain, kChunkBytes / std::max<int64_t>(1, p.block * p.in));  // blocks a chunk
   const int64_t size = std::max(least, (blocks + per * threads - 1) / std::max<int64_t>(1, per * threads));
   const int64_t n_chunks = (blocks + size - 1) / size;
-  if (per == 0 || threads == 1 || n_chunks <= threads) {  // too few to share out unevenly: one range each
+  // Work units: a chunk of blocks x a band of rows (the row tile), the bands outermost. A call of many rows and
+  // few chunks (a prefill through a narrow layer: 14 chunks of 64 outputs) gets narrower bands, down to kMinBand
+  // rows and while fewer than 4 units a thread, so that every thread has work to the end.
+  // MVLLM_INT8_BANDS=0 (knob "bands" 0): a chunk's bands stay with the thread that claims it, as before bands.
+  int64_t band = tile;
+  const int64_t step = p.amx ? pair : kRowTile, floor_rows = std::max<int64_t>(kMinBand, step);
+  const bool banded = bands_on().load(std::memory_order_relaxed);
+  auto bands_of = [&](int64_t b) { return (p.rows + b - 1) / b; };
+  while (banded && per > 0 && band > floor_rows && p.rows > floor_rows && n_chunks * bands_of(band) < 4 * threads)
+    band = std::max(floor_rows, (band / 2 + step - 1) / step * step);
+  const int64_t bands = banded ? bands_of(band) : 1, unit_rows = banded ? band : p.rows;
+  auto unit = [&](int64_t r0, int64_t begin, int64_t end) {  // rows [r0, r0 + unit_rows) in bands
+    for (int64_t r = r0; r < std::min(p.rows, r0 + unit_rows); r += band)
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
+        block(p, r, std::min(band, p.rows - r), o0, outs);
+      }
+  };
+  if (per == 0 || threads == 1 || n_chunks * bands <= threads) {  // too few to share out unevenly: one range each
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
-      blocks_from(begin, end);
+      for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows) unit(r0, begin, end);
       if (p.amx) amx_end();
     });
     return;
@@ -1097,18 +1113,21 @@ void run(const Problem& p) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     if (p.amx) amx_begin(p.group);
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
-      blocks_from(c * size, std::min(blocks, (c + 1) * size));
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks * bands;) {
+      const int64_t c = u % n_chunks;
+      unit(u / n_chunks * unit_rows, c * size, std::min(blocks, (c + 1) * size));
+    }
     if (p.amx) amx_end();
   });
 }
 
-// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1) or "amx_above" (rows); the previous
-// value back.
+// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows) or "bands" (0 or
+// 1); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage and amx_above, got ", name);
+  if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above and bands, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
