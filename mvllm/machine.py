@@ -7,6 +7,7 @@ torch itself, so the tests can stand in for a Mac by patching this module.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
@@ -110,3 +111,23 @@ def build_facts() -> dict:
 def cache_dir() -> Path:
     """Where mvllm keeps what it makes once per machine: converted GGUF models, built kernels, compile caches."""
     return Path(os.environ.get("MVLLM_CACHE", Path.home() / ".cache" / "mvllm"))
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for the next allocation instead of handing it back to the system: blocks up
+    to 32 MB (glibc's ceiling for the setting) from the heap, trimmed only past 1 GB free at its top. A CPU step
+    allocates its activations afresh each op (a 516-token prefill's gate/up output is 20 MB); when glibc unmaps
+    those pages and maps them again, every first touch is a page fault: about 94,000 a 516-token prefill at 8
+    threads on the H200 machine's Xeon, 0 after this (results/profile/README.md); ggml plans one buffer for the
+    whole graph for the same reason. Called once the model is loaded (its load's temporaries go back as before).
+    Linux with glibc only (else False); MVLLM_KEEP_FREED=0 leaves malloc as it is."""
+    if system() != "linux" or os.environ.get("MVLLM_KEEP_FREED", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):  # musl and other C libraries without mallopt
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -297,3 +298,41 @@ def test_top_k_top_p_on_candidates_keeps_what_the_whole_sort_keeps(scale):
     assert kept[3] == 40 and kept[2] <= 100 and all(n >= 1 for n in kept)
     if scale < 1:  # flat: top-p 0.5 needs far more than 64 candidates, so the fallback ran
         assert kept[1] > 64
+
+
+def test_freed_memory_is_kept_for_the_next_step():
+    """machine.keep_freed_memory (a CPU engine calls it once loaded): 20 MB allocated, written and freed again and
+    again touches fresh pages only the first time, where glibc by default hands the freed top of its heap back
+    and faults it in again each round; in processes of their own."""
+    import subprocess
+    import sys
+
+    from mvllm import machine
+
+    if machine.system() != "linux":
+        pytest.skip("glibc's mallopt: Linux only")
+    code = """if True:
+        import ctypes, resource
+        from mvllm import machine
+        kept = machine.keep_freed_memory()
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        for i in range(6):
+            if i == 2:
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            blocks = [libc.malloc(100 << 10) for _ in range(200)]  # under the mmap threshold: the heap
+            for b in blocks:
+                ctypes.memset(b, 1, 100 << 10)
+            for b in reversed(blocks):
+                libc.free(b)
+        print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """
+    faults = {}
+    for setting in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "MVLLM_KEEP_FREED": setting}).stdout.split()
+        if setting == "1" and out[0] != "True":
+            pytest.skip("this C library has no mallopt (not glibc)")
+        assert out[0] == {"1": "True", "0": "False"}[setting]
+        faults[setting] = int(out[1])
+    assert faults["1"] < 500 < 10_000 < faults["0"], faults  # 4 rounds of 20 MB: about 20,000 faults of 4 KB

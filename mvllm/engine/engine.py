@@ -137,6 +137,8 @@ class Engine:
         cfg = self.source.config
         self.model = quantize(build_model(self.source, self.device, self.dtype), config.quant, self.device,
                               config.batch_invariant)
+        if self.device.type == "cpu":
+            machine.keep_freed_memory()  # a step's activations reuse freed pages: no page faults each op
         num_blocks = config.num_blocks or self._blocks_for_budget()
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
