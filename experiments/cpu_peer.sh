@@ -52,4 +52,4 @@ else  # ROUNDS=N: N rounds, llama.cpp first in odd rounds and mvllm first in eve
         if (( k % 2 )); then peer "$out/round-$k"; mine "$out/round-$k"; else mine "$out/round-$k"; peer "$out/round-$k"; fi
     done
 fi
-python3 experiments/cpu_peer_table.py "$out"
+python3 experiments/cpu_peer_table.py "$out" --bundle  # table.json and raw.json.gz (every other output)
