@@ -5,7 +5,8 @@ straight from the paged cache through the block table (no copy of the context), 
 RMSNorm, gate/up projection, SiLU * up, down projection. Same arithmetic as Decoder.forward, fewer ops:
 on a CPU most of a decode step was per-op overhead and context copies, not matrix work. An int8w model
 (engine/quant.py) carries `cpu_layers`: the same loop in C++ (kernels/cpu_layers.py), for the batch sizes where
-every linear takes the int8 kernel.
+every linear takes the int8 kernel. With meta.out_rows (the rows the LM head reads: each prefill's last token) the
+last layer computes only those rows past its KV-cache write, as llama.cpp does, and only they are returned.
 """
 
 from __future__ import annotations
