@@ -290,17 +290,17 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
     qp, sp = ck.pack(q, scales, kind)
     x = torch.randn(300, 896, generator=gen)
     threads = torch.get_num_threads()
-    before = ck.knob("chunks", 0), ck.knob("stage", 0)
+    before = ck.knob("chunks", 0), ck.knob("stage", 0), ck.knob("bands", 1)
     try:
         torch.set_num_threads(max(2, threads))
         for rows in (1, 20, 48, 300):
-            ck.knob("chunks", 0), ck.knob("stage", 0)
+            ck.knob("chunks", 0), ck.knob("stage", 0), ck.knob("bands", 0)
             plain = ck.int8_linear(x[:rows], qp, sp)
             for chunks, stage, bands in ((1, 0, 1), (8, 0, 1), (8, 1, 1), (64, 1, 1), (8, 1, 0), (1, 0, 0)):
                 ck.knob("chunks", chunks), ck.knob("stage", stage), ck.knob("bands", bands)
                 assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, chunks, stage, bands)
     finally:
-        ck.knob("chunks", before[0]), ck.knob("stage", before[1]), ck.knob("bands", 1)
+        ck.knob("chunks", before[0]), ck.knob("stage", before[1]), ck.knob("bands", before[2])
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="chunks, stage, amx_above and bands"):
         ck.knob("nope", 1)
