@@ -2,9 +2,10 @@
 and the table gives each op's self time per step (mvllm's int8 and fused kernels are ops of their own), their
 sum, and the step's wall time; what is left is Python and dispatch between the ops. --prefill: each step is
 instead the cold prefill of a fresh prompt of --context tokens (distinct tokens each time: no prefix hits).
+--warm: each step is the prefill of 20 fresh tokens after a cached prefix of 496 (the profile's warm prefill).
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
-        [--python-loop] [--prefill] [--batch-invariant]
+        [--python-loop] [--prefill | --warm] [--batch-invariant]
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
 rows where cpu_int8.amx()), never the bf16 GEMM.
@@ -21,6 +22,7 @@ import torch
 
 from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.params import SamplingParams
+from mvllm.profile.plan import WARM_CACHED, WARM_NEW
 
 
 def main() -> None:
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--quant", default=None)
     ap.add_argument("--python-loop", action="store_true", help="int8w: the layers from Python, not csrc/layers.cpp")
     ap.add_argument("--prefill", action="store_true", help="time cold prefills of --context tokens, not decode")
+    ap.add_argument("--warm", action="store_true", help="time warm prefills (20 new after 496 cached), not decode")
     ap.add_argument("--batch-invariant", action="store_true", help="int8w: batch_invariant=on (the kernel at any rows)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -52,14 +55,20 @@ def main() -> None:
         engine.step()
     fresh = iter(range(1, 10**6))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefix = [(11 * k) % 3000 + 7 for k in range(WARM_CACHED)]
+    if a.warm:
+        engine.warm(prefix)
 
     def step() -> None:
-        if a.prefill:  # a fresh prompt, prefilled in one step, done after its first token
+        if a.prefill or a.warm:  # a fresh prompt (or fresh tail), prefilled in one step, done after its first token
             n = next(fresh)
-            engine.add_request([(n * 131 + 17 * k) % 5000 + 1 for k in range(a.context)], one)
+            if a.warm:
+                engine.add_request(prefix + [(n * 131 + 17 * k) % 5000 + 1 for k in range(WARM_NEW)], one)
+            else:
+                engine.add_request([(n * 131 + 17 * k) % 5000 + 1 for k in range(a.context)], one)
         engine.step()
 
-    if a.prefill:
+    if a.prefill or a.warm:
         for s in seqs:
             engine.abort(s.request_id)
         for _ in range(2):
@@ -86,7 +95,8 @@ def main() -> None:
     from mvllm.kernels import cpu_int8
 
     path = cpu_int8.build_info().get("path", "-") if engine.config.quant == "int8w" else "-"
-    kind = f"cold prefill of {a.context}" if a.prefill else f"batch={a.batch} context~{a.context}"
+    kind = (f"cold prefill of {a.context}" if a.prefill else f"warm prefill of {WARM_NEW} after {WARM_CACHED}"
+            if a.warm else f"batch={a.batch} context~{a.context}")
     print(f"{a.model} cpu threads={a.threads} {kind} quant={engine.config.quant} "
           f"({path}): "
           f"step {bare:.2f} ms ({wall:.2f} under the profiler), ops {ops_ms:.2f} ms")

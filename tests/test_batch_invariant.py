@@ -9,6 +9,7 @@ import torch
 
 from mvllm.backends.spec import parse_backends
 from mvllm.engine.engine import Engine, EngineConfig
+from mvllm.engine import quant
 from mvllm.engine.quant import Int8Linear
 from mvllm.errors import InvalidRequestError
 from mvllm.kernels import cpu_int8
@@ -63,11 +64,12 @@ def test_a_decode_row_beside_a_prefill_gets_what_it_gets_alone(invariant):
     alone = hidden_rows(engine, [(a, 12)])[0]  # A decodes its 13th token alone: one row
     beside = hidden_rows(engine, [(a, 12), (b, 0)])[0]  # the same, beside B's 40-token prefill
     kernel_rows = min(m.kernel_rows for m in engine.model.modules() if isinstance(m, Int8Linear))
-    if kernel_rows >= 41:  # the 41-row step takes the kernel: invariant, or with AMX (quant.AMX_MAX_ROWS)
+    if kernel_rows >= 41:  # the 41-row step takes the kernel: invariant, or lanes8 with AMX or no native bf16
         assert torch.equal(alone, beside)
     else:  # off: the 41-row step runs the GEMM (what the test would catch)
         assert not torch.equal(alone, beside)
-    assert (kernel_rows >= 41) == (invariant or cpu_int8.amx())
+    lanes8_every_row = cpu_int8.layout() == "lanes8" and quant.lanes8_every_row()
+    assert (kernel_rows >= 41) == (invariant or lanes8_every_row)
 
 
 def test_a_prefill_does_not_depend_on_its_batch():

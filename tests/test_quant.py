@@ -128,6 +128,27 @@ def test_bfloat16_is_refused_where_it_is_not_native(monkeypatch):
         parse_backends("cpu=cpu/dtype=bfloat16")
 
 
+@pytest.mark.parametrize("avx512_bf16, amx, native", [(False, False, False), (True, False, True),
+                                                      (False, True, True)])
+def test_native_bf16_takes_the_cpus_flags_not_onednns_word(monkeypatch, avx512_bf16, amx, native):
+    """oneDNN's probe says yes on plain AVX-512 too, where it emulates bf16 (7x the int8 kernel's prefill time on
+    such a Xeon): on x86 the CPU's BF16 or AMX flags decide, and without them the lanes8 kernel takes every row."""
+    from mvllm import machine
+
+    monkeypatch.setattr(machine, "onednn", lambda: True)
+    monkeypatch.setattr(machine, "x86", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(cpu_int8, "amx", lambda: False)
+    monkeypatch.setattr(quant, "_packing_works", lambda dtype: True)
+    assert machine.onednn_bf16() is native
+    assert quant.packable(torch.device("cpu"), torch.bfloat16) is native
+    assert quant.lanes8_every_row() is not native
+    monkeypatch.setattr(machine, "x86", lambda: False)  # ARM: oneDNN's word stands
+    assert machine.onednn_bf16()
+
+
 def test_more_threads_than_cpus_is_one_error(monkeypatch):
     from mvllm import machine
 
