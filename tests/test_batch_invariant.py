@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mvllm.backends.spec import parse_backends
-from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine import quant
+from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.quant import Int8Linear
 from mvllm.errors import InvalidRequestError
 from mvllm.kernels import cpu_int8
@@ -90,12 +90,18 @@ def test_the_setting_is_parsed_and_checked():
         Engine(EngineConfig(model="synthetic:tiny-qwen2", dtype="float32", batch_invariant=True))
 
 
-def test_out_rows_skip_the_last_layer_for_the_other_rows():
+@pytest.mark.parametrize("loop", ["c++", "python"])
+def test_out_rows_skip_the_last_layer_for_the_other_rows(monkeypatch, loop):
     """The fused path with meta.out_rows (the rows the LM head reads: each prefill's last) returns those rows only;
     its last layer computes only them past the KV-cache write, and they are the full forward's rows, bit for bit
-    (batch-invariant linears; one thread keeps each token's keys whole in attention)."""
+    (batch-invariant linears; one thread keeps each token's keys whole in attention; a prefill's newest row takes
+    the same attention path alone as beside its other rows), in the C++ layer loop and in Python's."""
+    from mvllm.kernels import cpu_layers
+
+    monkeypatch.setattr(cpu_layers, "ENABLED", loop == "c++")
     engine = Engine(EngineConfig(model="synthetic:tiny-qwen2", quant="int8w", batch_invariant=True, threads=1,
                                  num_blocks=64))
+    assert engine.model.cpu_layers.serves(53) == (loop == "c++" and cpu_layers.available())
     a = [(5 * k) % 400 + 1 for k in range(13)]
     b = [(3 * k) % 400 + 2 for k in range(40)]
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(2)]

@@ -129,14 +129,25 @@ def test_paged_attention_batch(heads, kv_heads, d, table_dtype, threads):
         check_attention(q, cache, table.to(table_dtype), seq, torch.tensor(lengths)[seq])
 
 
+@contextlib.contextmanager
+def attention_lanes(on: bool):
+    old = cpu_fused.attention_lanes(on)
+    try:
+        yield
+    finally:
+        cpu_fused.attention_lanes(old)
+
+
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_paged_attention_prefill(heads, kv_heads, d, threads):
-    """One sequence, 40 query tokens at positions 100..139, each causal; then two sequences mixed."""
+@pytest.mark.parametrize("lanes", [True, False])
+def test_paged_attention_prefill(heads, kv_heads, d, threads, lanes):
+    """One sequence, 40 query tokens at positions 100..139, each causal; then two sequences mixed. lanes: a
+    prefill's rows but its newest in vector lanes (the default); off: every row one (token, kv head) at a time."""
     cache, table = paged_setup([140, 60], kv_heads, d, seed=d)
     q = torch.randn(40, heads, d) * 3
     positions = torch.arange(100, 140)
-    with num_threads(threads):
+    with num_threads(threads), attention_lanes(lanes):
         check_attention(q, cache, table, torch.zeros(40, dtype=torch.long), positions + 1)
         seq = torch.tensor([0] * 25 + [1] * 15)
         key_len = torch.cat([torch.arange(116, 141), torch.arange(46, 61)])
@@ -152,6 +163,45 @@ def test_paged_attention_long_prefill():
     key_len = torch.cat([torch.arange(1, 351), torch.arange(1, 251)])
     with num_threads(2):
         check_attention(q, cache, table, seq, key_len)
+
+
+def test_lanes_take_a_prefills_rows_but_its_newest():
+    """Decode rows and a prefill's newest row get the per-token path's bits with lanes on; a prefill's other rows
+    another path (so the lanes are really taken), within the reference's tolerance either way."""
+    heads, kv_heads, d = SHAPES[0]
+    cache, table = paged_setup([140, 700, 300], kv_heads, d, seed=3)
+    q = torch.randn(42, heads, d) * 3
+    seq = torch.tensor([0] * 40 + [1, 2])
+    key_len = torch.cat([torch.arange(101, 141), torch.tensor([700, 300])])
+    args = (q, cache, table, seq, key_len, BLOCK, d ** -0.5)
+    with num_threads(1):
+        with attention_lanes(False):
+            off = cpu_fused.paged_attention(*args)
+        with attention_lanes(True):
+            on = cpu_fused.paged_attention(*args)
+    assert torch.equal(on[39:], off[39:])  # the prefill's newest, then two decode rows
+    assert not torch.equal(on[:39], off[:39])
+    close(on, cpu_fused.reference_paged_attention(*args))
+
+
+def test_a_lanes_row_does_not_depend_on_the_rows_beside_it():
+    """On one thread (no key split) a prefill row's result depends on its own query and keys alone: the same
+    rows in other blocks of lanes (fewer rows before them, another sequence beside) give the same bits."""
+    heads, kv_heads, d = (9, 3, 64)
+    cache, table = paged_setup([140, 60], kv_heads, d, seed=5)
+    q = torch.randn(40, heads, d) * 3
+    key_len = torch.arange(101, 141)
+    with num_threads(1), attention_lanes(True):
+        whole = cpu_fused.paged_attention(q, cache, table, torch.zeros(40, dtype=torch.long), key_len, BLOCK, 0.125)
+        tail = cpu_fused.paged_attention(q[13:], cache, table, torch.zeros(27, dtype=torch.long), key_len[13:],
+                                         BLOCK, 0.125)
+        other = torch.randn(20, heads, d)
+        beside = cpu_fused.paged_attention(torch.cat([other, q[13:]]), cache, table,
+                                           torch.tensor([1] * 20 + [0] * 27), torch.cat([torch.arange(41, 61),
+                                                                                         key_len[13:]]),
+                                           BLOCK, 0.125)
+    assert torch.equal(tail, whole[13:])
+    assert torch.equal(beside[20:], whole[13:])
 
 
 def test_paged_attention_rejects_bad_input():

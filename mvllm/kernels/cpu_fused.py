@@ -13,7 +13,8 @@ Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
 - rope_store(qkv [T, (heads + 2 * kv_heads) * D], cos [T, D], sin [T, D], cache [2, slots, kv_heads, D],
   slots int64 [T], heads, kv_heads) -> q [T, heads, D]
 - paged_attention(q [T, heads, D], cache, block_table int32/int64 [B, max_blocks], seq_of_token int64 [T],
-  key_len int64 [T], block_size, scale) -> [T, heads * D]
+  key_len int64 [T], block_size, scale) -> [T, heads * D]; a row with fewer keys than another of its sequence (a
+  prefill's rows but its newest) takes the lanes path (attention_lanes), the rest one (token, kv head) at a time
 - silu_mul(gate_up [T, 2 * I]) -> [T, I]
 - argmax(x [rows, n]) -> int64 [rows]: torch.argmax(x, -1) (first index of the largest; a NaN counts as
   largest), in vector code: torch's took 400 us for one 151,936-entry row on the 2-vCPU AVX2 machine
@@ -76,6 +77,13 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     if not available():
         return reference_paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
     return _ops.paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
+
+
+def attention_lanes(on: bool) -> bool:
+    """Turn the lanes path of paged_attention on or off in this process (same-process comparisons); the previous
+    setting back. The lanes path takes a prefill's rows but its newest: query rows in vector lanes, each key
+    broadcast (MVLLM_ATTN_LANES=0 starts a process with it off). Needs the build: call available() first."""
+    return bool(_ops.set_attention_lanes(int(on)))
 
 
 def check_attention_inputs(cache, block_table, seq_of_token, key_len, block_size: int) -> None:

@@ -67,5 +67,5 @@ class Layers:
         cfg, attn = model.cfg, model.layers[0].self_attn
         return _op(x, self.weights, caches, self.final_norm, cos, sin, meta.slot_mapping,
                    meta.block_index, meta.token_seq, meta.key_len, meta.block_size, attn.scale, attn.heads,
-                   attn.kv_heads, cfg.rms_norm_eps)
+                   attn.kv_heads, cfg.rms_norm_eps, meta.out_rows)
 

@@ -25,8 +25,7 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, caches: lis
     layers = getattr(model, "cpu_layers", None)
     rows = meta.out_rows
     if layers is not None and layers.serves(x.shape[0]):
-        h = layers.forward(model, x, cos, sin, caches, meta)
-        return h if rows is None else h[rows]
+        return layers.forward(model, x, cos, sin, caches, meta)  # with out_rows: those rows only
     residual, token_seq, key_len, last = None, meta.token_seq, meta.key_len, len(model.layers) - 1
     for i, (layer, cache) in enumerate(zip(model.layers, caches)):
         attn, mlp = layer.self_attn, layer.mlp

@@ -2,7 +2,8 @@
 //   add_rms_norm     residual add + RMSNorm
 //   rope_store       RoPE on q and k of the fused QKV output, k and v written into the paged KV cache
 //   paged_attention  softmax attention read straight from the paged cache (flash-decoding: key chunks
-//                    in parallel, then a log-sum-exp merge)
+//                    in parallel, then a log-sum-exp merge); a prefill's rows but its newest take query rows
+//                    in vector lanes (keys broadcast, no horizontal sums)
 //   silu_mul         silu(gate) * up
 //   argmax           each row's first index of its largest value (a NaN counts as largest), as torch.argmax
 // Threading goes through at::parallel_for, so torch.set_num_threads applies.
@@ -16,8 +17,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -66,25 +70,33 @@ inline f32x8 load8(const float* p) {
 
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
-// exp(x) for x <= 0 (a score minus the running max), clamped at -87: exp16's polynomial, 2^n from the exponent
-// bits. Round to nearest by adding and subtracting 1.5 * 2^23.
-inline f32x8 exp8(f32x8 x) {
-  x = x < -87.f ? f32x8{} - 87.f : x;
-  const f32x8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  f32x8 r = x - n * 0.693359375f;
+inline f32x8 exp8(f32x8 x);
+#endif
+
+// exp(x) for x <= 0 (a score minus the running max), clamped at -87, in a GCC/Clang vector of any width (F floats,
+// I the int32 vector of as many lanes): exp16's polynomial, 2^n from the exponent bits. Round to nearest by adding
+// and subtracting 1.5 * 2^23.
+template <class F, class I>
+inline F exp_lanes(F x) {
+  x = x < -87.f ? F{} - 87.f : x;
+  const F n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  f32x8 q = f32x8{} + 1.9875691500e-4f;
+  F q = F{} + 1.9875691500e-4f;
   q = q * r + 1.3981999507e-3f;
   q = q * r + 8.3334519073e-3f;
   q = q * r + 4.1665795894e-2f;
   q = q * r + 1.6666665459e-1f;
   q = q * r + 5.0000001201e-1f;
   q = q * r * r + (r + 1.f);
-  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  f32x8 two_n;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return q * two_n;
 }
+
+#if !defined(__AVX512F__)
+inline f32x8 exp8(f32x8 x) { return exp_lanes<f32x8, i32x8>(x); }
 #endif
 
 float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -157,8 +169,11 @@ void silu_mul_row(const float* __restrict gate, const float* __restrict up, floa
   const __m512 one = _mm512_set1_ps(1.f);
   for (; i + 16 <= n; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    _mm512_storeu_ps(out + i, _mm512_div_ps(_mm512_mul_ps(g, _mm512_loadu_ps(up + i)), _mm512_add_ps(one, e)));
+    const __m512 e = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    // 1 / e: the 14-bit estimate and one Newton step (about 1 ulp; vdivps took most of the op's time)
+    const __m512 r0 = _mm512_rcp14_ps(e);
+    const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(e, r0, _mm512_set1_ps(2.f)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, _mm512_loadu_ps(up + i)), r));
   }
 #endif
   for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
@@ -274,7 +289,15 @@ struct Attn {
 };
 
 struct Item {
-  int64_t t, kh, begin, end;  // keys [begin, end) of token t, kv head kh
+  int64_t t, kh, begin, end;  // keys [begin, end) of token t, kv head kh (lanes: of the pair's rows)
+  int64_t pair;
+};
+
+// The rows one (merged) result covers: the g query heads of kv head kh for token t, or, on the lanes path,
+// `rows` rows from r0 of a sequence's prefill rows (token toks[r / g], head r % g), all of kv head kh.
+struct Pair {
+  int64_t t, kh, r0, rows;
+  const int64_t* toks;  // lanes only (else null)
 };
 
 // scores s[j * kTile + i] = q_j . key_i for the g (scaled) query rows q [g, D] and keys rows[0, n), and
@@ -470,10 +493,16 @@ void attend(const Attn& a, const Item& it, Scratch& scratch, float* partial) {
   }
 }
 
-// Merges the partials [n, g, D + 2] of one (token, kv head) into the output rows of its g query heads.
-void merge(const Attn& a, int64_t t, int64_t kh, const float* partials, int64_t n) {
-  const int64_t g = a.g, d = a.d, item = g * (d + 2);
-  for (int64_t j = 0; j < g; ++j) {
+float* out_row(const Attn& a, const Pair& p, int64_t j) {
+  if (!p.toks) return a.out + (p.t * a.heads + p.kh * a.g + j) * a.d;
+  const int64_t r = p.r0 + j;
+  return a.out + (p.toks[r / a.g] * a.heads + p.kh * a.g + r % a.g) * a.d;
+}
+
+// Merges the partials [n, stride] (each [rows, D + 2]) of one pair into its output rows.
+void merge(const Attn& a, const Pair& pair, const float* partials, int64_t n, int64_t item) {
+  const int64_t d = a.d;
+  for (int64_t j = 0; j < pair.rows; ++j) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < n; ++c) mx = std::max(mx, partials[c * item + j * (d + 2)]);
     float total = 0.f;
@@ -481,13 +510,172 @@ void merge(const Attn& a, int64_t t, int64_t kh, const float* partials, int64_t 
       const float* p = partials + c * item + j * (d + 2);
       total += p[1] * std::exp(p[0] - mx);
     }
-    float* o = a.out + (t * a.heads + kh * g + j) * d;
+    float* o = out_row(a, pair, j);
     std::fill(o, o + d, 0.f);
     for (int64_t c = 0; c < n; ++c) {
       const float* p = partials + c * item + j * (d + 2);
       axpy(o, std::exp(p[0] - mx) / total, p + 2, d);
     }
   }
+}
+
+// ---- the lanes path: a block of up to 2 * kL query rows in vector lanes ----
+// Scores are S^T [key][row]: each key's element broadcast against a vector of the rows' query elements, so a
+// score needs no horizontal sum, and every row's softmax and values run vertically. A row's result depends only
+// on its own lane (and the key tiles of its item), never on the rows beside it.
+#if defined(__AVX512F__)
+constexpr int kL = 16, kKB = 8, kDB = 8;  // lanes; keys a score block; output columns a value block
+#else
+constexpr int kL = 8, kKB = 4, kDB = 4;
+#endif
+constexpr int kRL = 2 * kL;  // rows of a lanes pair at most
+using vf = float __attribute__((vector_size(4 * kL)));
+using vi = int32_t __attribute__((vector_size(4 * kL)));
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// x in every lane: one broadcast. (vf{} + x must add 0.0 first, -0 + 0 being +0, an extra op per use; x - 0 is x
+// for every x, so the compiler drops the subtraction.)
+inline vf splat(float x) { return x - vf{}; }
+
+std::atomic<int64_t> g_lanes{-1};  // the lanes path on (1) or off (0); -1: MVLLM_ATTN_LANES, default on
+
+bool lanes_on() {
+  int64_t v = g_lanes.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("MVLLM_ATTN_LANES");
+    v = env && std::string(env) == "0" ? 0 : 1;
+    g_lanes.store(v, std::memory_order_relaxed);
+  }
+  return v != 0;
+}
+
+struct LanesScratch {  // [D][kRL] queries and outputs, [kTile][kRL] scores, m and l, key lengths, key rows
+  std::vector<float> qt, acc, st, m, l;
+  std::vector<int32_t> len;
+  std::vector<const float*> rows, next;
+  explicit LanesScratch(int64_t d)
+      : qt(d * kRL), acc(d * kRL), st(kTile * kRL), m(kRL), l(kRL), len(kRL), rows(kTile + kKB), next(kTile) {}
+};
+
+// Key rows of keys [p0, p0 + n) of one kv head (k: its first key's K) through the block table.
+void key_rows(const Attn& a, const int64_t* table, const float* k, int64_t p0, int64_t n, const float** rows) {
+  const int64_t stride = a.kv * a.d;
+  for (int64_t i = 0, block = p0 / a.bs, off = p0 % a.bs; i < n; ++i) {  // no division per key
+    rows[i] = k + (table[block] * a.bs + off) * stride;
+    if (++off == a.bs) off = 0, ++block;
+  }
+}
+
+template <int NR>
+void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, LanesScratch& sc, float* partial) {
+  const int64_t d = a.d, g = a.g;
+  float *qt = sc.qt.data(), *acc = sc.acc.data(), *st = sc.st.data();
+  for (int64_t j = 0; j < NR * kL; ++j) {
+    const bool row = j < p.rows;
+    const int64_t r = p.r0 + j, t = row ? p.toks[r / g] : 0;
+    const float* q = a.q + (t * a.heads + p.kh * g + r % g) * d;
+    for (int64_t i = 0; i < d; ++i) qt[i * kRL + j] = row ? q[i] * a.scale : 0.f;
+    sc.len[j] = row ? static_cast<int32_t>(a.len[t]) : 0;  // a lane past the rows: every key masked
+  }
+  std::fill(acc, acc + d * kRL, 0.f);
+  vf m[NR], l[NR];
+  vi len[NR];
+  for (int v = 0; v < NR; ++v) {
+    m[v] = vf{} - std::numeric_limits<float>::infinity();
+    l[v] = vf{};
+    std::memcpy(&len[v], sc.len.data() + v * kL, sizeof len[v]);
+  }
+  const int64_t* table = a.table + a.seq[p.toks[p.r0 / g]] * a.width;
+  const float* k = a.k + p.kh * d;
+  const float **rows = sc.rows.data(), **next = sc.next.data();
+  const vf neg_inf = vf{} - std::numeric_limits<float>::infinity();
+  key_rows(a, table, k, begin, std::min(kTile, end - begin), next);
+  for (int64_t p0 = begin; p0 < end; p0 += kTile) {
+    const int64_t n = std::min(kTile, end - p0), padded = (n + kKB - 1) / kKB * kKB;
+    const int64_t n_next = std::min(kTile, std::max<int64_t>(end - p0 - kTile, 0));
+    std::copy(next, next + n, rows);
+    for (int64_t i = n; i < padded; ++i) rows[i] = rows[0];
+    key_rows(a, table, k, p0 + kTile, n_next, next);
+    for (int64_t i0 = 0; i0 < padded; i0 += kKB) {  // scores: kKB keys x NR vectors of rows
+      // the next tile's keys and values into L2 meanwhile, kKB keys a block (the keys come from memory in a step)
+      for (int64_t i = i0 * n_next / padded; i < (i0 + kKB) * n_next / padded; ++i)
+        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(next[i] + c, 0, 2), __builtin_prefetch(next[i] + a.voff + c, 0, 2);
+      vf s[kKB][NR] = {};
+      for (int64_t i = 0; i < d; ++i) {
+        vf qv[NR];
+        for (int v = 0; v < NR; ++v) qv[v] = loadv(qt + i * kRL + v * kL);
+        for (int kk = 0; kk < kKB; ++kk) {
+          const vf kb = splat(rows[i0 + kk][i]);
+          for (int v = 0; v < NR; ++v) s[kk][v] += kb * qv[v];
+        }
+      }
+      for (int kk = 0; kk < kKB && i0 + kk < n; ++kk)
+        for (int v = 0; v < NR; ++v) storev(st + (i0 + kk) * kRL + v * kL, s[kk][v]);
+    }
+    for (int v = 0; v < NR; ++v) {  // online softmax, each lane its own row; keys at or past a row's length masked
+      vf mx = neg_inf;
+      for (int64_t i = 0; i < n; ++i) {
+        const vi valid = static_cast<int32_t>(p0 + i) < len[v];
+        const vf x = valid ? loadv(st + i * kRL + v * kL) : neg_inf;
+        mx = mx > x ? mx : x;
+      }
+      const vf mnew = m[v] > mx ? m[v] : mx;
+      const vi none = mnew == neg_inf;  // no key yet in this lane: nothing to rescale
+      const vf f = none ? vf{} + 1.f : exp_lanes<vf, vi>(m[v] - mnew);
+      vf sum = vf{};
+      for (int64_t i = 0; i < n; ++i) {
+        const vi valid = static_cast<int32_t>(p0 + i) < len[v];
+        const vf e = exp_lanes<vf, vi>(loadv(st + i * kRL + v * kL) - mnew);
+        const vf pr = valid ? e : vf{};
+        storev(st + i * kRL + v * kL, pr);
+        sum += pr;
+      }
+      l[v] = l[v] * f + sum;
+      m[v] = mnew;
+      for (int64_t i = 0; i < d; ++i) storev(acc + i * kRL + v * kL, loadv(acc + i * kRL + v * kL) * f);
+    }
+    for (int64_t i0 = 0; i0 < d; i0 += kDB) {  // values: kDB output columns x NR vectors of rows
+      vf o[kDB][NR];
+      for (int c = 0; c < kDB; ++c)
+        for (int v = 0; v < NR; ++v) o[c][v] = loadv(acc + (i0 + c) * kRL + v * kL);
+      for (int64_t i = 0; i < n; ++i) {
+        vf pv[NR];
+        for (int v = 0; v < NR; ++v) pv[v] = loadv(st + i * kRL + v * kL);
+        const float* val = rows[i] + a.voff + i0;
+        for (int c = 0; c < kDB; ++c) {
+          const vf vb = splat(val[c]);
+          for (int v = 0; v < NR; ++v) o[c][v] += vb * pv[v];
+        }
+      }
+      for (int c = 0; c < kDB; ++c)
+        for (int v = 0; v < NR; ++v) storev(acc + (i0 + c) * kRL + v * kL, o[c][v]);
+    }
+  }
+  float ms[kRL], ls[kRL];
+  for (int v = 0; v < NR; ++v) storev(ms + v * kL, m[v]), storev(ls + v * kL, l[v]);
+  for (int64_t j = 0; j < p.rows; ++j) {
+    if (partial) {
+      float* pj = partial + j * (d + 2);
+      pj[0] = ms[j];
+      pj[1] = ls[j];
+      for (int64_t i = 0; i < d; ++i) pj[2 + i] = acc[i * kRL + j];
+    } else {
+      float* o = out_row(a, p, j);
+      const float inv = 1.f / ls[j];
+      for (int64_t i = 0; i < d; ++i) o[i] = acc[i * kRL + j] * inv;
+    }
+  }
+}
+
+int64_t set_attention_lanes(int64_t on) {
+  lanes_on();
+  return g_lanes.exchange(on ? 1 : 0);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
@@ -534,25 +722,61 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   const Attn a{q.data_ptr<float>(), cache.data_ptr<float>(), num_slots * kv * d, out.data_ptr<float>(), tp, sp, lp,
                width, heads, kv, g, d, block_size, nv, static_cast<float>(scale)};
 
-  // Chunk the keys so that there are about 4 work items per thread (decode: few tokens and kv heads, long
-  // contexts); prefill has enough (token, kv head) pairs and keeps each token's keys whole, as does one thread.
-  const int64_t threads = at::get_num_threads(), target = 4 * threads;
-  int64_t chunk = threads == 1 ? width * block_size : std::max((total * kv + target - 1) / target, kMinChunk);
-  chunk = (chunk + block_size - 1) / block_size * block_size;
-  std::vector<Item> items;
-  std::vector<int64_t> first(t_count * kv + 1);  // items of (token, kv head) p: [first[p], first[p + 1])
-  for (int64_t t = 0; t < t_count; ++t)
-    for (int64_t kh = 0; kh < kv; ++kh) {
-      first[t * kv + kh] = static_cast<int64_t>(items.size());
-      for (int64_t b = 0; b < lp[t]; b += chunk) items.push_back({t, kh, b, std::min(lp[t], b + chunk)});
+  // Pairs: a prefill's rows but its newest (fewer keys than another row of its sequence in this call) in lanes
+  // blocks of up to kRL rows, each sequence's last block (the most keys) first; every other row (decode, a
+  // prefill's newest) as (token, kv head). Which path a row takes depends on its own sequence alone.
+  const bool lanes = lanes_on() && d % kDB == 0;
+  std::vector<std::vector<int64_t>> toks(lanes ? rows : 0);
+  for (int64_t t = 0; lanes && t < t_count; ++t)
+    if (lp[t] < longest[sp[t]]) toks[sp[t]].push_back(t);
+  std::vector<Pair> pairs;
+  std::vector<int64_t> keys;  // each pair's keys: [0, keys)
+  int64_t work = 0;           // rows x keys over every pair
+  for (int64_t b = 0; lanes && b < rows; ++b) {
+    const int64_t n_rows = static_cast<int64_t>(toks[b].size()) * g;
+    if (n_rows == 0) continue;
+    const int64_t blocks = (n_rows + kRL - 1) / kRL, per = (n_rows + blocks - 1) / blocks;
+    for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+      const int64_t r0 = blk * per, cnt = std::min(per, n_rows - r0);
+      int64_t most = 0;
+      for (int64_t r = r0; r < r0 + cnt; r += g) most = std::max(most, lp[toks[b][r / g]]);
+      most = std::max(most, lp[toks[b][(r0 + cnt - 1) / g]]);
+      for (int64_t kh = 0; kh < kv; ++kh) pairs.push_back({-1, kh, r0, cnt, toks[b].data()}), keys.push_back(most);
+      work += cnt * most * kv;
     }
-  first[t_count * kv] = static_cast<int64_t>(items.size());
+  }
+  for (int64_t t = 0; t < t_count; ++t) {
+    if (lanes && lp[t] < longest[sp[t]]) continue;
+    for (int64_t kh = 0; kh < kv; ++kh) pairs.push_back({t, kh, 0, g, nullptr}), keys.push_back(lp[t]);
+    work += g * lp[t] * kv;
+  }
+
+  // Chunk the keys so that there are about 4 work items per thread (decode: few tokens and kv heads, long
+  // contexts); prefill has enough pairs and keeps each pair's keys whole, as does one thread.
+  const int64_t threads = at::get_num_threads(), target = 4 * threads, per_item = (work + target - 1) / target;
+  const int64_t n_pairs = static_cast<int64_t>(pairs.size());
+  std::vector<Item> items;
+  std::vector<int64_t> first(n_pairs + 1);  // items of pair p: [first[p], first[p + 1])
+  int64_t most_rows = g;
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const Pair& pr = pairs[p];
+    int64_t chunk = width * block_size;
+    if (threads > 1 && pr.toks)
+      chunk = (std::max((per_item + pr.rows - 1) / pr.rows, kTile) + kTile - 1) / kTile * kTile;
+    else if (threads > 1)
+      chunk = (std::max((per_item + g - 1) / g, kMinChunk) + block_size - 1) / block_size * block_size;
+    first[p] = static_cast<int64_t>(items.size());
+    for (int64_t b = 0; b < keys[p]; b += chunk) items.push_back({pr.t, pr.kh, b, std::min(keys[p], b + chunk), p});
+    most_rows = std::max(most_rows, pr.rows);
+  }
+  first[n_pairs] = static_cast<int64_t>(items.size());
   const int64_t n_items = static_cast<int64_t>(items.size());
   // Split pairs write partials; the item that finishes a pair last merges them.
-  const bool split = n_items > t_count * kv;
-  at::Tensor partials = split ? at::empty({n_items, g, d + 2}, q.options()) : at::Tensor();
+  const bool split = n_items > n_pairs;
+  const int64_t stride = most_rows * (d + 2);
+  at::Tensor partials = split ? at::empty({n_items, stride}, q.options()) : at::Tensor();
   float* pp = split ? partials.data_ptr<float>() : nullptr;
-  std::vector<std::atomic<int64_t>> left(split ? t_count * kv : 0);
+  std::vector<std::atomic<int64_t>> left(split ? n_pairs : 0);
   for (size_t p = 0; p < left.size(); ++p) left[p].store(first[p + 1] - first[p], std::memory_order_relaxed);
 
   // Items differ in size (mixed lengths, causal prefill): each thread takes the next one until none are left.
@@ -560,12 +784,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(g, d);
+    std::unique_ptr<LanesScratch> lanes_scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const Item& it = items[i];
-      const int64_t p = it.t * kv + it.kh, n = first[p + 1] - first[p];
-      attend(a, it, scratch, n > 1 ? pp + i * g * (d + 2) : nullptr);
-      if (n > 1 && left[p].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge(a, it.t, it.kh, pp + first[p] * g * (d + 2), n);
+      const Pair& pr = pairs[it.pair];
+      const int64_t n = first[it.pair + 1] - first[it.pair];
+      float* part = n > 1 ? pp + i * stride : nullptr;
+      if (pr.toks) {
+        if (!lanes_scratch) lanes_scratch = std::make_unique<LanesScratch>(d);
+        if (pr.rows > kL)
+          attend_lanes<2>(a, pr, it.begin, it.end, *lanes_scratch, part);
+        else
+          attend_lanes<1>(a, pr, it.begin, it.end, *lanes_scratch, part);
+      } else {
+        attend(a, it, scratch, part);
+      }
+      if (n > 1 && left[it.pair].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge(a, pr, pp + first[it.pair] * stride, n, stride);
     }
   });
   return out;
@@ -662,5 +897,6 @@ TORCH_LIBRARY(mvllm_fused, m) {
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_of_token, Tensor key_len,"
         " int block_size, float scale) -> Tensor", &paged_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("set_attention_lanes(int on) -> int", &set_attention_lanes);
   m.def("argmax(Tensor x) -> Tensor", &argmax);
 }

@@ -22,12 +22,14 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
 constexpr int64_t kPerLayer = 12;  // the weights of a layer, in this order (kernels/cpu_layers.py packs them)
 enum : int64_t { kNorm1, kQkvQ, kQkvS, kQkvB, kOQ, kOS, kOB, kNorm2, kGateUpQ, kGateUpS, kDownQ, kDownS };
 
-// x [T, hidden] (the embeddings) through every layer and the final norm; the caches written at `slots`.
+// x [T, hidden] (the embeddings) through every layer and the final norm; the caches written at `slots`. With
+// out_rows (the rows the LM head reads: each prefill's last), the last layer computes only those rows past its
+// KV-cache write, and only they are returned.
 at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, const at::TensorList caches,
                          const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_of_token,
                          const at::Tensor& key_len, int64_t block_size, double scale, int64_t heads,
-                         int64_t kv_heads, double eps) {
+                         int64_t kv_heads, double eps, const Opt& out_rows) {
   static const auto norm = op<at::Tensor(const at::Tensor&, const Opt&, const at::Tensor&, double)>(
       "mvllm_fused::add_rms_norm");
   static const auto rope = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -53,8 +55,14 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
     const at::Tensor h = norm.call(x, residual, get(l, kNorm1), eps);
     if (!residual) residual = x;
     const at::Tensor qkv = linear.call(h, get(l, kQkvQ), get(l, kQkvS), w[l * kPerLayer + kQkvB]);
-    const at::Tensor q = rope.call(qkv, cos, sin, caches[l], slots, heads, kv_heads);
-    const at::Tensor out = attention.call(q, caches[l], block_table, seq_of_token, key_len, block_size, scale);
+    at::Tensor q = rope.call(qkv, cos, sin, caches[l], slots, heads, kv_heads);
+    at::Tensor seq = seq_of_token, len = key_len;
+    if (l == layers - 1 && out_rows) {  // past the last KV write only the returned rows count
+      const at::Tensor& rows = *out_rows;
+      q = q.index_select(0, rows), residual = residual->index_select(0, rows);
+      seq = seq.index_select(0, rows), len = len.index_select(0, rows);
+    }
+    const at::Tensor out = attention.call(q, caches[l], block_table, seq, len, block_size, scale);
     const at::Tensor o = linear.call(out, get(l, kOQ), get(l, kOS), w[l * kPerLayer + kOB]);
     const at::Tensor h2 = norm.call(o, residual, get(l, kNorm2), eps);
     const at::Tensor gate_up = linear.call(h2, get(l, kGateUpQ), get(l, kGateUpS), std::nullopt);
@@ -68,6 +76,6 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
 TORCH_LIBRARY(mvllm_layers, m) {
   m.def("decode_layers(Tensor(b!) x, Tensor?[] weights, Tensor(a!)[] caches, Tensor final_norm, Tensor cos, Tensor sin,"
         " Tensor slots, Tensor block_table, Tensor seq_of_token, Tensor key_len, int block_size, float scale,"
-        " int heads, int kv_heads, float eps) -> Tensor",
+        " int heads, int kv_heads, float eps, Tensor? out_rows=None) -> Tensor",
         &decode_layers);
 }

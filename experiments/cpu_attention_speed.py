@@ -1,0 +1,98 @@
+"""The fused CPU attention (mvllm/kernels/csrc/fused.cpp) with its lanes path on and off, in one process: a step's
+paged_attention at the profile's cells (Qwen2.5-0.5B's 24 layers, each its own cache, of 14 heads over 2 KV heads
+of 64), alternating the settings --rounds times, each setting's best median, and the error against the torch
+reference.
+
+    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--out FILE]
+
+Cells: warm prefill (20 new after 496 cached), cold prefill of 516, four warm prefills at once, decode at 516
+(batch 1 and 4: no lanes rows, so level), a 40-token prefill beside three decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from mvllm.kernels import cpu_fused
+
+HEADS, KV, D, BLOCK, LAYERS = 14, 2, 64, 16, 24
+CELLS = {
+    "warm 20 after 496": [(516, 20)],
+    "cold 516": [(516, 516)],
+    "4 warm prefills": [(516, 20)] * 4,
+    "decode at 516": [(516, 1)],
+    "decode at 516, batch 4": [(516, 1)] * 4,
+    "prefill 40 beside 3 decodes": [(140, 40), (700, 1), (300, 1), (17, 1)],
+}
+
+
+def setup(seqs: list[tuple[int, int]]):
+    """(context, new tokens) per sequence: its cache blocks shuffled, the new tokens causal at the end."""
+    g = torch.Generator().manual_seed(0)
+    needed = [-(-c // BLOCK) for c, _ in seqs]
+    total = sum(needed)
+    caches = [torch.randn(2, total * BLOCK + 1, KV, D, generator=g) for _ in range(LAYERS)]
+    order = torch.randperm(total, generator=g).tolist()
+    table = torch.zeros(len(seqs), max(needed), dtype=torch.long)
+    start = 0
+    for row, n in enumerate(needed):
+        table[row, :n] = torch.tensor(order[start:start + n])
+        start += n
+    seq = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(seqs)])
+    key_len = torch.cat([torch.arange(c - n + 1, c + 1) for c, n in seqs])
+    q = torch.randn(len(seq), HEADS, D, generator=g)
+    return q, caches, table, seq, key_len
+
+
+def timed(q, caches, rest, reps: int) -> float:
+    """A step's attention, every layer's cache in turn (so the keys come from memory, as in a step)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for cache in caches:
+            cpu_fused.paged_attention(q, cache, *rest)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if not cpu_fused.available():
+        raise SystemExit(f"the fused kernels did not build: {cpu_fused.why_unavailable}")
+    torch.set_num_threads(a.threads)
+    rows = []
+    for name, seqs in CELLS.items():
+        q, caches, table, seq, key_len = setup(seqs)
+        rest = (table, seq, key_len, BLOCK, D ** -0.5)
+        args = (q, caches[0], *rest)
+        ref = cpu_fused.reference_paged_attention(*args)
+        reps = max(3, min(40, 2_000 // int(key_len.sum())))
+        ms, err = {False: [], True: []}, {}
+        for _ in range(a.rounds):
+            for on in (False, True):
+                cpu_fused.attention_lanes(on)
+                err[on] = float((cpu_fused.paged_attention(*args) - ref).abs().max())
+                ms[on].append(timed(q, caches, rest, reps))
+        cpu_fused.attention_lanes(True)
+        off, on = min(ms[False]), min(ms[True])
+        rows.append({"cell": name, "per_token_ms": off, "lanes_ms": on, "ratio": on / off, "rounds": ms,
+                     "max_err_per_token": err[False], "max_err_lanes": err[True]})
+        print(f"{name:<28} a step: per-token {off:8.3f} ms  lanes {on:8.3f} ms  {on / off:5.2f}x  "
+              f"(max error against torch {err[False]:.1e} / {err[True]:.1e})", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"threads": a.threads, "rounds": a.rounds, "build": cpu_fused.build_info(), "cells": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
