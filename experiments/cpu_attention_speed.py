@@ -1,9 +1,10 @@
 """The fused CPU attention (mvllm/kernels/csrc/fused.cpp) with its lanes path on and off, in one process: a step's
 paged_attention at the profile's cells (Qwen2.5-0.5B's 24 layers, each its own cache, of 14 heads over 2 KV heads
 of 64), alternating the settings --rounds times, each setting's best median, and the error against the torch
-reference.
+reference. --settings items=4,items=1 compares other settings of cpu_fused.attention_knob instead (each against
+the first; "lanes=0:items=1" sets two).
 
-    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--out FILE]
+    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1] [--out FILE]
 
 Cells: warm prefill (20 new after 496 cached), cold prefill of 516, four warm prefills at once, decode at 516
 (batch 1 and 4: no lanes rows, so level), a 40-token prefill beside three decodes.
@@ -60,38 +61,49 @@ def timed(q, caches, rest, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
+def apply(setting: str) -> None:
+    for pair in setting.split(":"):
+        name, value = pair.split("=")
+        cpu_fused.attention_knob(name, int(value))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settings", default="lanes=0,lanes=1")
     ap.add_argument("--out")
     a = ap.parse_args()
     if not cpu_fused.available():
         raise SystemExit(f"the fused kernels did not build: {cpu_fused.why_unavailable}")
     torch.set_num_threads(a.threads)
+    settings = a.settings.split(",")
+    defaults = {name: cpu_fused.attention_knob(name, 1) for name in ("lanes", "items")}
+    for name, value in defaults.items():
+        cpu_fused.attention_knob(name, value)
     rows = []
     for name, seqs in CELLS.items():
         q, caches, table, seq, key_len = setup(seqs)
         rest = (table, seq, key_len, BLOCK, D ** -0.5)
-        args = (q, caches[0], *rest)
-        ref = cpu_fused.reference_paged_attention(*args)
+        ref = cpu_fused.reference_paged_attention(q, caches[0], *rest)
         reps = max(3, min(40, 2_000 // int(key_len.sum())))
-        ms, err = {False: [], True: []}, {}
+        ms, err = {k: [] for k in settings}, {}
         for _ in range(a.rounds):
-            for on in (False, True):
-                cpu_fused.attention_lanes(on)
-                err[on] = float((cpu_fused.paged_attention(*args) - ref).abs().max())
-                ms[on].append(timed(q, caches, rest, reps))
-        cpu_fused.attention_lanes(True)
-        off, on = min(ms[False]), min(ms[True])
-        rows.append({"cell": name, "per_token_ms": off, "lanes_ms": on, "ratio": on / off, "rounds": ms,
-                     "max_err_per_token": err[False], "max_err_lanes": err[True]})
-        print(f"{name:<28} a step: per-token {off:8.3f} ms  lanes {on:8.3f} ms  {on / off:5.2f}x  "
-              f"(max error against torch {err[False]:.1e} / {err[True]:.1e})", flush=True)
+            for k in settings:
+                apply(k)
+                err[k] = float((cpu_fused.paged_attention(q, caches[0], *rest) - ref).abs().max())
+                ms[k].append(timed(q, caches, rest, reps))
+                for knob, value in defaults.items():
+                    cpu_fused.attention_knob(knob, value)
+        best = {k: min(v) for k, v in ms.items()}
+        rows.append({"cell": name, "ms": best, "rounds": ms, "max_err": err,
+                     "ratio": {k: best[k] / best[settings[0]] for k in settings}})
+        cols = "  ".join(f"{k} {best[k]:7.3f} ms ({best[k] / best[settings[0]]:.2f}x)" for k in settings)
+        print(f"{name:<28} a step: {cols}  (max error against torch {max(err.values()):.1e})", flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"threads": a.threads, "rounds": a.rounds, "build": cpu_fused.build_info(), "cells": rows}, f,
-                      indent=1)
+            json.dump({"threads": a.threads, "rounds": a.rounds, "settings": settings, "defaults": defaults,
+                       "build": cpu_fused.build_info(), "cells": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -79,11 +79,17 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     return _ops.paged_attention(q, cache, block_table, seq_of_token, key_len, block_size, scale)
 
 
+def attention_knob(name: str, value: int) -> int:
+    """Set one of paged_attention's knobs in this process, for same-process comparisons; the previous value back.
+    "lanes": 1 sends a prefill's rows but its newest through the lanes path, query rows in vector lanes
+    (MVLLM_ATTN_LANES, default 1). "items": work items a thread the keys are cut into (MVLLM_ATTN_ITEMS, default
+    4). Needs the build: call available() first."""
+    return int(_ops.attention_knob(name, int(value)))
+
+
 def attention_lanes(on: bool) -> bool:
-    """Turn the lanes path of paged_attention on or off in this process (same-process comparisons); the previous
-    setting back. The lanes path takes a prefill's rows but its newest: query rows in vector lanes, each key
-    broadcast (MVLLM_ATTN_LANES=0 starts a process with it off). Needs the build: call available() first."""
-    return bool(_ops.set_attention_lanes(int(on)))
+    """The lanes path on or off (attention_knob "lanes"); the previous setting back."""
+    return bool(attention_knob("lanes", int(on)))
 
 
 def check_attention_inputs(cache, block_table, seq_of_token, key_len, block_size: int) -> None:

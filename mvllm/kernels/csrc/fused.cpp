@@ -543,17 +543,22 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // for every x, so the compiler drops the subtraction.)
 inline vf splat(float x) { return x - vf{}; }
 
-std::atomic<int64_t> g_lanes{-1};  // the lanes path on (1) or off (0); -1: MVLLM_ATTN_LANES, default on
+// Knobs, each read from its environment variable on first use: the lanes path on (1) or off (0), MVLLM_ATTN_LANES
+// (default 1); work items a thread, MVLLM_ATTN_ITEMS (default 4).
+std::atomic<int64_t> g_lanes{-1}, g_items{-1};
 
-bool lanes_on() {
-  int64_t v = g_lanes.load(std::memory_order_relaxed);
+int64_t knob_value(std::atomic<int64_t>& knob, const char* env_name, int64_t fallback) {
+  int64_t v = knob.load(std::memory_order_relaxed);
   if (v < 0) {
-    const char* env = std::getenv("MVLLM_ATTN_LANES");
-    v = env && std::string(env) == "0" ? 0 : 1;
-    g_lanes.store(v, std::memory_order_relaxed);
+    const char* env = std::getenv(env_name);
+    v = env && *env ? std::max<int64_t>(0, std::atoll(env)) : fallback;
+    knob.store(v, std::memory_order_relaxed);
   }
-  return v != 0;
+  return v;
 }
+
+bool lanes_on() { return knob_value(g_lanes, "MVLLM_ATTN_LANES", 1) != 0; }
+int64_t items_per_thread() { return std::max<int64_t>(1, knob_value(g_items, "MVLLM_ATTN_ITEMS", 4)); }
 
 struct LanesScratch {  // [D][kRL] queries and outputs, [kTile][kRL] scores, m and l, key lengths, key rows
   std::vector<float> qt, acc, st, m, l;
@@ -673,9 +678,10 @@ void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, Lane
   }
 }
 
-int64_t set_attention_lanes(int64_t on) {
-  lanes_on();
-  return g_lanes.exchange(on ? 1 : 0);
+int64_t attention_knob(const std::string& name, int64_t value) {
+  if (name == "lanes") return lanes_on(), g_lanes.exchange(value ? 1 : 0);
+  TORCH_CHECK(name == "items", "attention knobs: lanes and items, got ", name);
+  return items_per_thread(), g_items.exchange(std::max<int64_t>(1, value));
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
@@ -753,7 +759,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
 
   // Chunk the keys so that there are about 4 work items per thread (decode: few tokens and kv heads, long
   // contexts); prefill has enough pairs and keeps each pair's keys whole, as does one thread.
-  const int64_t threads = at::get_num_threads(), target = 4 * threads, per_item = (work + target - 1) / target;
+  const int64_t threads = at::get_num_threads(), target = items_per_thread() * threads;
+  const int64_t per_item = (work + target - 1) / target;
   const int64_t n_pairs = static_cast<int64_t>(pairs.size());
   std::vector<Item> items;
   std::vector<int64_t> first(n_pairs + 1);  // items of pair p: [first[p], first[p + 1])
@@ -897,6 +904,6 @@ TORCH_LIBRARY(mvllm_fused, m) {
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_of_token, Tensor key_len,"
         " int block_size, float scale) -> Tensor", &paged_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
-  m.def("set_attention_lanes(int on) -> int", &set_attention_lanes);
+  m.def("attention_knob(str name, int value) -> int", &attention_knob);
   m.def("argmax(Tensor x) -> Tensor", &argmax);
 }
