@@ -78,7 +78,7 @@ def main() -> None:
         raise SystemExit(f"the fused kernels did not build: {cpu_fused.why_unavailable}")
     torch.set_num_threads(a.threads)
     settings = a.settings.split(",")
-    defaults = {name: cpu_fused.attention_knob(name, 1) for name in ("lanes", "items")}
+    defaults = {name: cpu_fused.attention_knob(name, 1) for name in ("lanes", "items", "token_items")}
     for name, value in defaults.items():
         cpu_fused.attention_knob(name, value)
     rows = []

@@ -82,8 +82,9 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
 def attention_knob(name: str, value: int) -> int:
     """Set one of paged_attention's knobs in this process, for same-process comparisons; the previous value back.
     "lanes": 1 sends a prefill's rows but its newest through the lanes path, query rows in vector lanes
-    (MVLLM_ATTN_LANES, default 1). "items": work items a thread the keys are cut into (MVLLM_ATTN_ITEMS, default
-    4). Needs the build: call available() first."""
+    (MVLLM_ATTN_LANES, default 1). "items": work items a thread the keys of lanes pairs are cut into
+    (MVLLM_ATTN_ITEMS, default 4); "token_items": the same for (token, kv head) pairs, decode's
+    (MVLLM_ATTN_TOKEN_ITEMS, default 1). Needs the build: call available() first."""
     return int(_ops.attention_knob(name, int(value)))
 
 

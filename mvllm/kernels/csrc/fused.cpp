@@ -544,8 +544,11 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }
 
 // Knobs, each read from its environment variable on first use: the lanes path on (1) or off (0), MVLLM_ATTN_LANES
-// (default 1); work items a thread, MVLLM_ATTN_ITEMS (default 4).
-std::atomic<int64_t> g_lanes{-1}, g_items{-1};
+// (default 1); the work a thread in items of lanes pairs, MVLLM_ATTN_ITEMS (default 4), and of (token, kv head)
+// pairs, MVLLM_ATTN_TOKEN_ITEMS (default 1: on the H200 machine's Xeon, same process, a decode step's attention at
+// depth 516 took 0.84x the time of 4 items a thread at 8 threads and 0.87x at 16, batch 4 0.85x / 0.90x; lanes
+// pairs lost 2-14% with fewer items in a warm prefill).
+std::atomic<int64_t> g_lanes{-1}, g_items{-1}, g_token_items{-1};
 
 int64_t knob_value(std::atomic<int64_t>& knob, const char* env_name, int64_t fallback) {
   int64_t v = knob.load(std::memory_order_relaxed);
@@ -559,6 +562,9 @@ int64_t knob_value(std::atomic<int64_t>& knob, const char* env_name, int64_t fal
 
 bool lanes_on() { return knob_value(g_lanes, "MVLLM_ATTN_LANES", 1) != 0; }
 int64_t items_per_thread() { return std::max<int64_t>(1, knob_value(g_items, "MVLLM_ATTN_ITEMS", 4)); }
+int64_t token_items_per_thread() {
+  return std::max<int64_t>(1, knob_value(g_token_items, "MVLLM_ATTN_TOKEN_ITEMS", 1));
+}
 
 struct LanesScratch {  // [D][kRL] queries and outputs, [kTile][kRL] scores, m and l, key lengths, key rows
   std::vector<float> qt, acc, st, m, l;
@@ -680,7 +686,8 @@ void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, Lane
 
 int64_t attention_knob(const std::string& name, int64_t value) {
   if (name == "lanes") return lanes_on(), g_lanes.exchange(value ? 1 : 0);
-  TORCH_CHECK(name == "items", "attention knobs: lanes and items, got ", name);
+  if (name == "token_items") return token_items_per_thread(), g_token_items.exchange(std::max<int64_t>(1, value));
+  TORCH_CHECK(name == "items", "attention knobs: lanes, items and token_items, got ", name);
   return items_per_thread(), g_items.exchange(std::max<int64_t>(1, value));
 }
 
@@ -757,10 +764,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     work += g * lp[t] * kv;
   }
 
-  // Chunk the keys so that there are about 4 work items per thread (decode: few tokens and kv heads, long
-  // contexts); prefill has enough pairs and keeps each pair's keys whole, as does one thread.
+  // Chunk the keys so that the work comes in about 4 items a thread where it is in lanes pairs, 1 in (token, kv
+  // head) pairs (decode: few tokens and kv heads, long contexts; a split costs a merge); prefill has enough pairs
+  // and keeps each pair's keys whole, as does one thread.
   const int64_t threads = at::get_num_threads(), target = items_per_thread() * threads;
-  const int64_t per_item = (work + target - 1) / target;
+  const int64_t token_target = token_items_per_thread() * threads;
+  const int64_t per_item = (work + target - 1) / target, per_token_item = (work + token_target - 1) / token_target;
   const int64_t n_pairs = static_cast<int64_t>(pairs.size());
   std::vector<Item> items;
   std::vector<int64_t> first(n_pairs + 1);  // items of pair p: [first[p], first[p + 1])
@@ -771,7 +780,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     if (threads > 1 && pr.toks)
       chunk = (std::max((per_item + pr.rows - 1) / pr.rows, kTile) + kTile - 1) / kTile * kTile;
     else if (threads > 1)
-      chunk = (std::max((per_item + g - 1) / g, kMinChunk) + block_size - 1) / block_size * block_size;
+      chunk = (std::max((per_token_item + g - 1) / g, kMinChunk) + block_size - 1) / block_size * block_size;
     first[p] = static_cast<int64_t>(items.size());
     for (int64_t b = 0; b < keys[p]; b += chunk) items.push_back({pr.t, pr.kh, b, std::min(keys[p], b + chunk), p});
     most_rows = std::max(most_rows, pr.rows);
