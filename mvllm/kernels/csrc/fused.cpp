@@ -736,8 +736,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
                width, heads, kv, g, d, block_size, nv, static_cast<float>(scale)};
 
   // Pairs: a prefill's rows but its newest (fewer keys than another row of its sequence in this call) in lanes
-  // blocks of up to kRL rows, each sequence's last block (the most keys) first; every other row (decode, a
-  // prefill's newest) as (token, kv head). Which path a row takes depends on its own sequence alone.
+  // blocks of up to kRL rows; every other row (decode, a prefill's newest) as (token, kv head). Which path a row takes depends on its own sequence alone.
   const bool lanes = lanes_on() && d % kDB == 0;
   std::vector<std::vector<int64_t>> toks(lanes ? rows : 0);
   for (int64_t t = 0; lanes && t < t_count; ++t)
@@ -795,13 +794,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   std::vector<std::atomic<int64_t>> left(split ? n_pairs : 0);
   for (size_t p = 0; p < left.size(); ++p) left[p].store(first[p + 1] - first[p], std::memory_order_relaxed);
 
-  // Items differ in size (mixed lengths, causal prefill): each thread takes the next one until none are left.
+  // Items differ in size (mixed lengths, causal prefill): each thread takes the next one until none are left,
+  // the largest first (a long decode row's item last would be the step's tail). Order changes no bits: an item
+  // keeps its partial's slot, and a merge reads the slots in order.
+  std::vector<int64_t> order(n_items);
+  for (int64_t i = 0; i < n_items; ++i) order[i] = i;
+  auto size = [&](int64_t i) { return (items[i].end - items[i].begin) * pairs[items[i].pair].rows; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return size(x) > size(y); });
   const int64_t workers = total * heads < 2048 ? 1 : std::min(threads, n_items);  // tiny problems: one thread
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(g, d);
     std::unique_ptr<LanesScratch> lanes_scratch;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      const int64_t i = order[k];
       const Item& it = items[i];
       const Pair& pr = pairs[it.pair];
       const int64_t n = first[it.pair + 1] - first[it.pair];
