@@ -109,29 +109,33 @@ def check_attention(q, cache, table, seq, key_len):
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 300, 700])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_paged_attention_decode(heads, kv_heads, d, length, threads):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_paged_attention_decode(heads, kv_heads, d, length, threads, lanes):
     cache, table = paged_setup([length], kv_heads, d, seed=length)
     q = torch.randn(1, heads, d) * 3
-    with num_threads(threads):
+    with num_threads(threads), attention_lanes(lanes):
         check_attention(q, cache, table, torch.tensor([0]), torch.tensor([length]))
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("table_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_paged_attention_batch(heads, kv_heads, d, table_dtype, threads):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_paged_attention_batch(heads, kv_heads, d, table_dtype, threads, lanes):
     """4 sequences, one token each; token t belongs to block-table row seq[t]."""
     lengths = [700, 1, 300, 17]
     cache, table = paged_setup(lengths, kv_heads, d, seed=heads)
     q = torch.randn(4, heads, d) * 3
     seq = torch.tensor([2, 0, 3, 1])
-    with num_threads(threads):
+    with num_threads(threads), attention_lanes(lanes):
         check_attention(q, cache, table.to(table_dtype), seq, torch.tensor(lengths)[seq])
 
 
 @contextlib.contextmanager
-def attention_lanes(on: bool):
-    old = cpu_fused.attention_lanes(on)
+def attention_lanes(mode: int):
+    """0: every row one (token, kv head) at a time; 1: a prefill's rows but its newest in vector lanes; 2: every row
+    in lanes."""
+    old = cpu_fused.attention_lanes(mode)
     try:
         yield
     finally:
@@ -140,10 +144,10 @@ def attention_lanes(on: bool):
 
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("lanes", [True, False])
+@pytest.mark.parametrize("lanes", [0, 1, 2])
 def test_paged_attention_prefill(heads, kv_heads, d, threads, lanes):
-    """One sequence, 40 query tokens at positions 100..139, each causal; then two sequences mixed. lanes: a
-    prefill's rows but its newest in vector lanes (the default); off: every row one (token, kv head) at a time."""
+    """One sequence, 40 query tokens at positions 100..139, each causal; then two sequences mixed, in each setting
+    of the lanes path (attention_lanes)."""
     cache, table = paged_setup([140, 60], kv_heads, d, seed=d)
     q = torch.randn(40, heads, d) * 3
     positions = torch.arange(100, 140)
@@ -166,8 +170,9 @@ def test_paged_attention_long_prefill():
 
 
 def test_lanes_take_a_prefills_rows_but_its_newest():
-    """Decode rows and a prefill's newest row get the per-token path's bits with lanes on; a prefill's other rows
-    another path (so the lanes are really taken), within the reference's tolerance either way."""
+    """Decode rows and a prefill's newest row get the per-token path's bits in lanes mode 1; a prefill's other rows
+    another path (so the lanes are really taken), within the reference's tolerance either way; in mode 2 every
+    row takes the lanes."""
     heads, kv_heads, d = SHAPES[0]
     cache, table = paged_setup([140, 700, 300], kv_heads, d, seed=3)
     q = torch.randn(42, heads, d) * 3
@@ -175,23 +180,39 @@ def test_lanes_take_a_prefills_rows_but_its_newest():
     key_len = torch.cat([torch.arange(101, 141), torch.tensor([700, 300])])
     args = (q, cache, table, seq, key_len, BLOCK, d ** -0.5)
     with num_threads(1):
-        with attention_lanes(False):
+        with attention_lanes(0):
             off = cpu_fused.paged_attention(*args)
-        with attention_lanes(True):
+        with attention_lanes(1):
             on = cpu_fused.paged_attention(*args)
+        with attention_lanes(2):
+            every = cpu_fused.paged_attention(*args)
     assert torch.equal(on[39:], off[39:])  # the prefill's newest, then two decode rows
     assert not torch.equal(on[:39], off[:39])
+    assert torch.equal(every[:39], on[:39]) and not torch.equal(every[39:], off[39:])
     close(on, cpu_fused.reference_paged_attention(*args))
+    close(every, cpu_fused.reference_paged_attention(*args))
 
 
-def test_a_lanes_row_does_not_depend_on_the_rows_beside_it():
+def test_the_lanes_default_fits_the_vector_width():
+    """Every row in lanes where they are 8 wide (a decode row's 7 query heads fill 7 of 8), a prefill's rows but
+    its newest with AVX-512 (16 wide)."""
+    from mvllm import machine
+
+    wide = machine.avx512() and "-march=native" in cpu_fused.build_info().get("flags", [])
+    mode = cpu_fused.attention_lanes(1)
+    cpu_fused.attention_lanes(mode)
+    assert mode == (1 if wide else 2)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_lanes_row_does_not_depend_on_the_rows_beside_it(lanes):
     """On one thread (no key split) a prefill row's result depends on its own query and keys alone: the same
     rows in other blocks of lanes (fewer rows before them, another sequence beside) give the same bits."""
     heads, kv_heads, d = (9, 3, 64)
     cache, table = paged_setup([140, 60], kv_heads, d, seed=5)
     q = torch.randn(40, heads, d) * 3
     key_len = torch.arange(101, 141)
-    with num_threads(1), attention_lanes(True):
+    with num_threads(1), attention_lanes(lanes):
         whole = cpu_fused.paged_attention(q, cache, table, torch.zeros(40, dtype=torch.long), key_len, BLOCK, 0.125)
         tail = cpu_fused.paged_attention(q[13:], cache, table, torch.zeros(27, dtype=torch.long), key_len[13:],
                                          BLOCK, 0.125)

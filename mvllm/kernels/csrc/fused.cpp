@@ -543,8 +543,10 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // for every x, so the compiler drops the subtraction.)
 inline vf splat(float x) { return x - vf{}; }
 
-// Knobs, each read from its environment variable on first use: the lanes path on (1) or off (0), MVLLM_ATTN_LANES
-// (default 1); the work a thread in items of lanes pairs, MVLLM_ATTN_ITEMS (default 4), and of (token, kv head)
+// Knobs, each read from its environment variable on first use: which rows take the lanes path, MVLLM_ATTN_LANES: 0
+// none, 1 a prefill's rows but its newest, 2 every row (the default where the lanes are 8 wide: AVX2, NEON, where
+// a decode step's attention at depth 516 took 0.67-0.69x the time of the per-token path, batch 4 0.55-0.58x; 1 with
+// AVX-512, where a decode row's 7 query heads would fill 7 of 16 lanes: 1.08-1.64x); the work a thread in items of lanes pairs, MVLLM_ATTN_ITEMS (default 4), and of (token, kv head)
 // pairs, MVLLM_ATTN_TOKEN_ITEMS (default 1: on the H200 machine's Xeon, same process, a decode step's attention at
 // depth 516 took 0.84x the time of 4 items a thread at 8 threads and 0.87x at 16, batch 4 0.85x / 0.90x; lanes
 // pairs lost 2-14% with fewer items in a warm prefill).
@@ -560,7 +562,8 @@ int64_t knob_value(std::atomic<int64_t>& knob, const char* env_name, int64_t fal
   return v;
 }
 
-bool lanes_on() { return knob_value(g_lanes, "MVLLM_ATTN_LANES", 1) != 0; }
+constexpr int64_t kLanesDefault = kL == 8 ? 2 : 1;
+int64_t lanes_mode() { return std::min<int64_t>(knob_value(g_lanes, "MVLLM_ATTN_LANES", kLanesDefault), 2); }
 int64_t items_per_thread() { return std::max<int64_t>(1, knob_value(g_items, "MVLLM_ATTN_ITEMS", 4)); }
 int64_t token_items_per_thread() {
   return std::max<int64_t>(1, knob_value(g_token_items, "MVLLM_ATTN_TOKEN_ITEMS", 1));
@@ -685,7 +688,7 @@ void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, Lane
 }
 
 int64_t attention_knob(const std::string& name, int64_t value) {
-  if (name == "lanes") return lanes_on(), g_lanes.exchange(value ? 1 : 0);
+  if (name == "lanes") return lanes_mode(), g_lanes.exchange(std::min<int64_t>(std::max<int64_t>(value, 0), 2));
   if (name == "token_items") return token_items_per_thread(), g_token_items.exchange(std::max<int64_t>(1, value));
   TORCH_CHECK(name == "items", "attention knobs: lanes, items and token_items, got ", name);
   return items_per_thread(), g_items.exchange(std::max<int64_t>(1, value));
@@ -735,12 +738,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   const Attn a{q.data_ptr<float>(), cache.data_ptr<float>(), num_slots * kv * d, out.data_ptr<float>(), tp, sp, lp,
                width, heads, kv, g, d, block_size, nv, static_cast<float>(scale)};
 
-  // Pairs: a prefill's rows but its newest (fewer keys than another row of its sequence in this call) in lanes
-  // blocks of up to kRL rows; every other row (decode, a prefill's newest) as (token, kv head). Which path a row takes depends on its own sequence alone.
-  const bool lanes = lanes_on() && d % kDB == 0;
+  // Pairs: a prefill's rows but its newest (fewer keys than another row of its sequence in this call), or every row
+  // (lanes mode 2), in lanes blocks of up to kRL rows; every other row (decode, a prefill's newest) as (token, kv
+  // head). Which path a row takes depends on its own sequence alone.
+  const bool lanes = lanes_mode() > 0 && d % kDB == 0, every_row = lanes && lanes_mode() == 2;
   std::vector<std::vector<int64_t>> toks(lanes ? rows : 0);
   for (int64_t t = 0; lanes && t < t_count; ++t)
-    if (lp[t] < longest[sp[t]]) toks[sp[t]].push_back(t);
+    if (every_row || lp[t] < longest[sp[t]]) toks[sp[t]].push_back(t);
   std::vector<Pair> pairs;
   std::vector<int64_t> keys;  // each pair's keys: [0, keys)
   int64_t work = 0;           // rows x keys over every pair
@@ -758,7 +762,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     }
   }
   for (int64_t t = 0; t < t_count; ++t) {
-    if (lanes && lp[t] < longest[sp[t]]) continue;
+    if (lanes && (every_row || lp[t] < longest[sp[t]])) continue;
     for (int64_t kh = 0; kh < kv; ++kh) pairs.push_back({t, kh, 0, g, nullptr}), keys.push_back(lp[t]);
     work += g * lp[t] * kv;
   }
