@@ -175,6 +175,12 @@ void silu_mul_row(const float* __restrict gate, const float* __restrict up, floa
     const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(e, r0, _mm512_set1_ps(2.f)));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, _mm512_loadu_ps(up + i)), r));
   }
+#else
+  for (; i + 8 <= n; i += 8) {  // 8 lanes (AVX2, NEON): exp_lanes, clamped above at 88 (exp(88) is finite)
+    const f32x8 g = load8(gate + i), x = f32x8{} - g;
+    const f32x8 e = exp_lanes<f32x8, i32x8>(x > 88.f ? f32x8{} + 88.f : x);
+    store8(out + i, g * load8(up + i) / (e + 1.f));
+  }
 #endif
   for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
