@@ -2,10 +2,10 @@
 
     python experiments/compress_results.py [results/ ...] [--min-log-bytes 50000] [--dry-run]
 
-bench writes requests.csv, routing.jsonl and server.log plain (the server appends to its routing log while
-it runs); `mvllm report` and the other readers take either the plain file or its .gz (mvllm/bench/results.py:
-`find_file`, `open_text`). This turns every requests.csv and routing.jsonl, and every *.log or *.txt of at
-least --min-log-bytes, into <name>.gz and removes the plain file. The gzip is deterministic (level 9, no
+bench writes requests.csv, routing.jsonl, aggregate.json and server.log plain (the server appends to its routing
+log while it runs); `mvllm report`, `mvllm simulate` and the other readers take either the plain file or its .gz
+(mvllm/bench/results.py: `find_file`, `open_text`, `read_aggregate`). This turns every requests.csv,
+routing.jsonl and aggregate.json, and every *.log or *.txt of at least --min-log-bytes, into <name>.gz and removes the plain file. The gzip is deterministic (level 9, no
 name, mtime 0), each one is read back before the plain file goes, and a second run changes nothing. Where
 both are there (a run made again after compressing), the plain file is the newer one and replaces the .gz.
 """
@@ -17,7 +17,7 @@ import gzip
 import os
 from pathlib import Path
 
-ALWAYS = ("requests.csv", "routing.jsonl")
+ALWAYS = ("requests.csv", "routing.jsonl", "aggregate.json")
 LOGS = (".log", ".txt")
 
 

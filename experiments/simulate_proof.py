@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import load
-from mvllm.bench.results import find_file, request_rows
+from mvllm.bench.results import find_file, read_aggregate, request_rows
 from mvllm.simulate.sim import DRIFT, measured, run_one, scaled_steps, simulate
 
 EXPERIMENTS = ("paper-8", "paper-48", "gpu-serial", "sweep-concurrency", "sweep-hit-rate", "sweep-rate")
@@ -85,8 +85,7 @@ def prove(root: Path, serving_block: dict | None, names=EXPERIMENTS + COMPILED) 
         exp = ran(root, name)
         profile = with_serving(json.loads((root / "results" / name / "profile.json").read_text()), serving_block)
         real = measured(root / "results" / name)
-        placed = {(a["policy"], a["value"]): a.get("backend_requests")
-                  for a in json.loads((root / "results" / name / "aggregate.json").read_text())}
+        placed = {(a["policy"], a["value"]): a.get("backend_requests") for a in read_aggregate(root / "results" / name)}
         cells = []
         for r in simulate(exp, profile, exp.policies, None, spread=DRIFT):
             m = real.get((r["policy"], r["value"]))

@@ -121,10 +121,18 @@ def write_json(path: Path, data) -> None:
 
 
 def read_json(path: Path):
+    """A JSON file, plain or gzipped (by its .gz name)."""
     try:
-        return json.loads(path.read_text())
+        with open_text(path) as f:
+            return json.load(f)
     except (OSError, ValueError) as e:
         raise ResultsError(f"cannot read {path}: {e}") from None
+
+
+def read_aggregate(folder: Path) -> list[dict]:
+    """An experiment folder's aggregate.json (or the aggregate.json.gz committed results keep); [] where neither."""
+    path = find_file(folder, "aggregate.json")
+    return [] if path is None else read_json(path)
 
 
 def runs_in(folder: Path) -> list[dict]:

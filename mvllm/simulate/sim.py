@@ -30,6 +30,7 @@ from mvllm.backends.spec import BackendSpec, default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.metrics import RequestRecord, summarize
+from mvllm.bench.results import read_aggregate
 from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
@@ -283,10 +284,7 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
 
 def measured(folder: Path) -> dict[tuple, dict]:
     """(policy, value) -> the measured aggregate's metrics, where bench has run this experiment."""
-    path = folder / "aggregate.json"
-    if not path.is_file():
-        return {}
-    return {(a["policy"], a["value"]): a["metrics"] for a in json.loads(path.read_text())}
+    return {(a["policy"], a["value"]): a["metrics"] for a in read_aggregate(folder)}
 
 
 def table(exp: Experiment, rows: list[dict], real: dict[tuple, dict]):
