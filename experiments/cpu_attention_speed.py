@@ -2,11 +2,10 @@
 paged_attention at the profile's cells (Qwen2.5-0.5B's 24 layers, each its own cache, of 14 heads over 2 KV heads
 of 64), alternating the settings --rounds times, each setting's best median, and the error against the torch
 reference. --settings items=4,items=1 compares other settings of cpu_fused.attention_knob instead (each against
-the first; "lanes=0:items=1" sets two). --march haswell builds csrc/fused.cpp for that CPU in this process instead
-of mvllm's own build (-march=native): the 8-wide lanes of AVX2 and NEON on an AVX-512 machine.
+the first; "lanes=0:items=1" sets two). The 8-wide lanes of AVX2 and NEON on an AVX-512 machine:
+`python experiments/march.py haswell experiments/cpu_attention_speed.py ...`.
 
-    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2]
-        [--march haswell] [--out FILE]
+    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2] [--out FILE]
 
 Cells: warm prefill (20 new after 496 cached), cold prefill of 516, four warm prefills at once, decode at 516
 (batch 1 and 4: no lanes rows, so level), a 40-token prefill beside three decodes.
@@ -63,21 +62,6 @@ def timed(q, caches, rest, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
-def build_for(march: str) -> None:
-    """csrc/fused.cpp built with -march=MARCH and loaded as cpu_fused's ops (instead of mvllm's -march=native)."""
-    import tempfile
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-
-    source = Path(cpu_fused.__file__).parent / "csrc" / "fused.cpp"
-    out = Path(tempfile.mkdtemp(prefix=f"fused-{march}-"))
-    load(name=f"fused_{march.replace('-', '_')}", sources=[str(source)], extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(out))
-    cpu_fused._ops = torch.ops.mvllm_fused
-    cpu_fused.available = lambda: True
-
-
 def apply(setting: str) -> None:
     for pair in setting.split(":"):
         name, value = pair.split("=")
@@ -89,11 +73,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", default="lanes=0,lanes=1,lanes=2")
-    ap.add_argument("--march")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.march:
-        build_for(a.march)
     if not cpu_fused.available():
         raise SystemExit(f"the fused kernels did not build: {cpu_fused.why_unavailable}")
     torch.set_num_threads(a.threads)
@@ -123,7 +104,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"threads": a.threads, "rounds": a.rounds, "settings": settings, "defaults": defaults,
-                       "march": a.march or "native",
+                       "flags": cpu_fused.build_info().get("flags"),
                        "build": cpu_fused.build_info(), "cells": rows}, f, indent=1)
 
 

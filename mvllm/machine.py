@@ -77,7 +77,7 @@ def onednn() -> bool:
 def onednn_bf16() -> bool:
     """oneDNN is in this build and this CPU computes bf16 natively (AVX-512 BF16 or AMX); the macOS wheel has
     no `_is_mkldnn_bf16_supported` op at all. On x86 oneDNN's own probe also answers yes on plain AVX-512, where
-    it emulates bf16 (a 516-token prefill through it took 5.9 s on such a Xeon, 0.8 s through the int8 kernel),
+    it emulates bf16 (a 516-token prefill through it took 6.2 s on such a Xeon, 0.8 s through the int8 kernel),
     so the CPU's own flags decide there."""
     if not (onednn() and probe(lambda t: bool(t.ops.mkldnn._is_mkldnn_bf16_supported()), False)):
         return False

@@ -33,6 +33,17 @@ def num_threads(n: int):
         torch.set_num_threads(old)
 
 
+@contextlib.contextmanager
+def attention_lanes(mode: int):
+    """0: every row one (token, kv head) at a time; 1: a prefill's rows but its newest in vector lanes; 2: every row
+    in lanes."""
+    old = cpu_fused.attention_knob("lanes", mode)
+    try:
+        yield
+    finally:
+        cpu_fused.attention_knob("lanes", old)
+
+
 @pytest.mark.parametrize("tokens,hidden", [(1, 896), (4, 576), (37, 64), (3, 20)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm(tokens, hidden, with_residual):
@@ -131,23 +142,12 @@ def test_paged_attention_batch(heads, kv_heads, d, table_dtype, threads, lanes):
         check_attention(q, cache, table.to(table_dtype), seq, torch.tensor(lengths)[seq])
 
 
-@contextlib.contextmanager
-def attention_lanes(mode: int):
-    """0: every row one (token, kv head) at a time; 1: a prefill's rows but its newest in vector lanes; 2: every row
-    in lanes."""
-    old = cpu_fused.attention_lanes(mode)
-    try:
-        yield
-    finally:
-        cpu_fused.attention_lanes(old)
-
-
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lanes", [0, 1, 2])
 def test_paged_attention_prefill(heads, kv_heads, d, threads, lanes):
     """One sequence, 40 query tokens at positions 100..139, each causal; then two sequences mixed, in each setting
-    of the lanes path (attention_lanes)."""
+    of the lanes path (attention_knob "lanes")."""
     cache, table = paged_setup([140, 60], kv_heads, d, seed=d)
     q = torch.randn(40, heads, d) * 3
     positions = torch.arange(100, 140)
@@ -199,8 +199,8 @@ def test_the_lanes_default_fits_the_vector_width():
     from mvllm import machine
 
     wide = machine.avx512() and "-march=native" in cpu_fused.build_info().get("flags", [])
-    mode = cpu_fused.attention_lanes(1)
-    cpu_fused.attention_lanes(mode)
+    mode = cpu_fused.attention_knob("lanes", 1)
+    cpu_fused.attention_knob("lanes", mode)
     assert mode == (1 if wide else 2)
 
 

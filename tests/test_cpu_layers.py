@@ -53,13 +53,12 @@ def test_hidden_states_and_cache_match_the_python_loop(model):
 def test_prefill_above_the_kernel_rows_takes_the_python_loop():
     """Without batch_invariant, more than PACKED_MAX_ROWS tokens (LANES_MAX_ROWS where every linear is in the
     lanes layout, LANES8_MAX_ROWS in lanes8) go to the GEMM (in Python); invariant, or lanes8 with AMX or without
-    native bf16, every
-    batch size takes the C++ loop and no linear keeps a de-quantized copy."""
+    native bf16, every batch size takes the C++ loop and no linear keeps a de-quantized copy."""
     model = engine("synthetic:tiny-qwen2").model
     linears = [m for m in model.modules() if isinstance(m, quant.Int8Linear)]
     rows = min(quant.max_rows(m.q) for m in linears)
     if all(m.q.dim() == 3 for m in linears):  # every linear packed in this machine's layout
-        lanes8 = quant.AMX_MAX_ROWS if quant.lanes8_every_row() else quant.LANES8_MAX_ROWS
+        lanes8 = quant.EVERY_ROW if quant.lanes8_every_row() else quant.LANES8_MAX_ROWS
         assert rows == {"lanes8": lanes8, "lanes": quant.LANES_MAX_ROWS}[cpu_int8.layout()]
     assert all((m.gemm is None) == (m.kernel_rows == math.inf) for m in linears)
     if rows < math.inf:

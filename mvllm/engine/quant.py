@@ -8,7 +8,7 @@
   oneDNN's packed GEMM on a de-quantized bfloat16 copy (float32 where this CPU lacks native bf16), or with
   batch_invariant=on the int8 kernel too, so a row's result never depends on its batch mates. Where the lanes8
   kernel takes AMX tiles (cpu_int8.amx(): a Sapphire Rapids or later Xeon), or where the CPU has AVX-512 VNNI but
-  no native bf16 (the GEMM would be float32), every batch runs the kernel (AMX_MAX_ROWS), with no de-quantized
+  no native bf16 (the GEMM would be float32), every batch runs the kernel (EVERY_ROW), with no de-quantized
   copy: there int8w is batch-invariant by default.
 - `none` with dtype bfloat16 or float32: every Linear keeps its weight in oneDNN's blocked layout where that
   works (x86), else plain F.linear.
@@ -49,10 +49,10 @@ LANES_MAX_ROWS = 16
 # and 0.36-0.59x at 16; 64 rows 1.11-1.31x at 8 threads.
 LANES8_MAX_ROWS = 32
 # ... and this many where the lanes8 kernel has AMX tiles (cpu_int8.amx(); above 8 rows), or where the GEMM would
-# run in float32 (no native bf16: on a 2-vCPU Xeon with AVX-512 VNNI, no BF16, the kernel took 0.24-0.48x the
+# run in float32 (no native bf16: on a 2-vCPU Xeon with AVX-512 VNNI, no BF16, the kernel took 0.25-0.48x the
 # float32 GEMM's time at 16-516 rows, cpu_int8_speed.py --gemm): every step, so no de-quantized copy is kept and a
 # row's result never depends on its batch.
-AMX_MAX_ROWS = math.inf
+EVERY_ROW = math.inf
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")
 
@@ -89,7 +89,7 @@ def max_rows(q: torch.Tensor) -> float:
     """The most tokens a step sends through the int8 kernel for weights in q's layout (above: the GEMM)."""
     if q.dim() == 3:
         if q.dtype == torch.uint8:
-            return AMX_MAX_ROWS if lanes8_every_row() else LANES8_MAX_ROWS
+            return EVERY_ROW if lanes8_every_row() else LANES8_MAX_ROWS
         return LANES_MAX_ROWS
     return PACKED_MAX_ROWS
 

@@ -14,8 +14,8 @@ Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
   slots int64 [T], heads, kv_heads) -> q [T, heads, D]
 - paged_attention(q [T, heads, D], cache, block_table int32/int64 [B, max_blocks], seq_of_token int64 [T],
   key_len int64 [T], block_size, scale) -> [T, heads * D]; a row with fewer keys than another of its sequence (a
-  prefill's rows but its newest), or every row where the lanes are 8 wide, takes the lanes path (attention_lanes),
-  the rest one (token, kv head) at a time
+  prefill's rows but its newest), or every row where the lanes are 8 wide, takes the lanes path
+  (attention_knob "lanes"), the rest one (token, kv head) at a time
 - silu_mul(gate_up [T, 2 * I]) -> [T, I]
 - argmax(x [rows, n]) -> int64 [rows]: torch.argmax(x, -1) (first index of the largest; a NaN counts as
   largest), in vector code: torch's took 400 us for one 151,936-entry row on the 2-vCPU AVX2 machine
@@ -82,16 +82,12 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
 
 def attention_knob(name: str, value: int) -> int:
     """Set one of paged_attention's knobs in this process, for same-process comparisons; the previous value back.
-    "lanes": which rows take the lanes path, query rows in vector lanes: 0 none, 1 a prefill's rows but its newest
-    (the default with AVX-512), 2 every row (the default where the lanes are 8 wide: AVX2, NEON) (MVLLM_ATTN_LANES). "items": work items a thread the keys of lanes pairs are cut into
-    (MVLLM_ATTN_ITEMS, default 4); "token_items": the same for (token, kv head) pairs, decode's
-    (MVLLM_ATTN_TOKEN_ITEMS, default 1). Needs the build: call available() first."""
+    "lanes" (MVLLM_ATTN_LANES): which rows take the lanes path, query rows in vector lanes: 0 none, 1 a prefill's
+    rows but its newest (the default with AVX-512), 2 every row (the default where the lanes are 8 wide: AVX2,
+    NEON). "items" (MVLLM_ATTN_ITEMS, default 4): work items a thread the keys of lanes pairs are cut into;
+    "token_items" (MVLLM_ATTN_TOKEN_ITEMS, default 1): the same for (token, kv head) pairs, decode's. Needs the
+    build: call available() first."""
     return int(_ops.attention_knob(name, int(value)))
-
-
-def attention_lanes(mode: int) -> int:
-    """Which rows take the lanes path (attention_knob "lanes": 0, 1 or 2); the previous setting back."""
-    return attention_knob("lanes", int(mode))
 
 
 def check_attention_inputs(cache, block_table, seq_of_token, key_len, block_size: int) -> None:

@@ -2,8 +2,8 @@
 //   add_rms_norm     residual add + RMSNorm
 //   rope_store       RoPE on q and k of the fused QKV output, k and v written into the paged KV cache
 //   paged_attention  softmax attention read straight from the paged cache (flash-decoding: key chunks
-//                    in parallel, then a log-sum-exp merge); a prefill's rows but its newest take query rows
-//                    in vector lanes (keys broadcast, no horizontal sums)
+//                    in parallel, then a log-sum-exp merge); query rows in vector lanes (keys broadcast, no
+//                    horizontal sums) for a prefill's rows but its newest, or for every row where lanes are 8 wide
 //   silu_mul         silu(gate) * up
 //   argmax           each row's first index of its largest value (a NaN counts as largest), as torch.argmax
 // Threading goes through at::parallel_for, so torch.set_num_threads applies.
@@ -294,17 +294,32 @@ struct Attn {
   float scale;
 };
 
-struct Item {
-  int64_t t, kh, begin, end;  // keys [begin, end) of token t, kv head kh (lanes: of the pair's rows)
-  int64_t pair;
-};
-
 // The rows one (merged) result covers: the g query heads of kv head kh for token t, or, on the lanes path,
-// `rows` rows from r0 of a sequence's prefill rows (token toks[r / g], head r % g), all of kv head kh.
+// `rows` rows from r0 of a sequence's rows (token toks[r / g], head r % g), all of kv head kh.
 struct Pair {
   int64_t t, kh, r0, rows;
   const int64_t* toks;  // lanes only (else null)
 };
+
+struct Item {
+  int64_t pair, begin, end;  // keys [begin, end) of one pair's rows
+};
+
+// Key rows of keys [p0, p0 + n) of one kv head (k: its first key's K) through the block table.
+void key_rows(const Attn& a, const int64_t* table, const float* k, int64_t p0, int64_t n, const float** rows) {
+  const int64_t stride = a.kv * a.d;
+  for (int64_t i = 0, block = p0 / a.bs, off = p0 % a.bs; i < n; ++i) {  // no division per key
+    rows[i] = k + (table[block] * a.bs + off) * stride;
+    if (++off == a.bs) off = 0, ++block;
+  }
+}
+
+// Output row j of a pair.
+float* out_row(const Attn& a, const Pair& p, int64_t j) {
+  if (!p.toks) return a.out + (p.t * a.heads + p.kh * a.g + j) * a.d;
+  const int64_t r = p.r0 + j;
+  return a.out + (p.toks[r / a.g] * a.heads + p.kh * a.g + r % a.g) * a.d;
+}
 
 // scores s[j * kTile + i] = q_j . key_i for the g (scaled) query rows q [g, D] and keys rows[0, n), and
 // acc[j] += sum_i p[j * kTile + i] * value_i (value_i = rows[i] + voff), acc [g, D].
@@ -450,26 +465,23 @@ struct Scratch {
   Scratch(int64_t g, int64_t d) : data(g * (2 * d + 2 + kTile)), rows(kTile) {}
 };
 
-// One work item: the g query heads of kv head kh over keys [begin, end), online softmax over tiles of
+// One work item of a (token, kv head) pair: its g query heads over keys [begin, end), online softmax over tiles of
 // kTile keys. Writes the normalised output rows, or (m, l, acc) for each head into partial [g, D + 2] when
 // the token's keys are split over several items.
-void attend(const Attn& a, const Item& it, Scratch& scratch, float* partial) {
-  const int64_t g = a.g, d = a.d, stride = a.kv * a.d;
+void attend(const Attn& a, const Pair& p, int64_t begin, int64_t end, Scratch& scratch, float* partial) {
+  const int64_t g = a.g, d = a.d;
   float *q = scratch.data.data(), *acc = q + g * d, *m = acc + g * d, *l = m + g, *s = l + g;
-  const float* q_in = a.q + (it.t * a.heads + it.kh * g) * d;
+  const float* q_in = a.q + (p.t * a.heads + p.kh * g) * d;
   for (int64_t i = 0; i < g * d; ++i) q[i] = q_in[i] * a.scale;
   std::fill(acc, acc + g * d, 0.f);
   std::fill(m, m + g, -std::numeric_limits<float>::infinity());
   std::fill(l, l + g, 0.f);
-  const int64_t* table = a.table + a.seq[it.t] * a.width;
-  const float* k = a.k + it.kh * d;
+  const int64_t* table = a.table + a.seq[p.t] * a.width;
+  const float* k = a.k + p.kh * d;
   const float** rows = scratch.rows.data();
-  for (int64_t p0 = it.begin; p0 < it.end; p0 += kTile) {
-    const int64_t n = std::min(kTile, it.end - p0);
-    for (int64_t i = 0, block = p0 / a.bs, off = p0 % a.bs; i < n; ++i) {  // no division per key
-      rows[i] = k + (table[block] * a.bs + off) * stride;
-      if (++off == a.bs) off = 0, ++block;
-    }
+  for (int64_t p0 = begin; p0 < end; p0 += kTile) {
+    const int64_t n = std::min(kTile, end - p0);
+    key_rows(a, table, k, p0, n, rows);
     for (int64_t i = n; i < (n + 15) / 16 * 16; ++i) rows[i] = rows[0];  // padding for the 16-key kernels
     scores(a, q, rows, n, s);
     for (int64_t j = 0; j < g; ++j) {
@@ -492,17 +504,11 @@ void attend(const Attn& a, const Item& it, Scratch& scratch, float* partial) {
       pj[1] = l[j];
       std::memcpy(pj + 2, acc + j * d, d * sizeof(float));
     } else {
-      float* o = a.out + (it.t * a.heads + it.kh * g + j) * d;
+      float* o = out_row(a, p, j);
       const float inv = 1.f / l[j];
       for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] * inv;
     }
   }
-}
-
-float* out_row(const Attn& a, const Pair& p, int64_t j) {
-  if (!p.toks) return a.out + (p.t * a.heads + p.kh * a.g + j) * a.d;
-  const int64_t r = p.r0 + j;
-  return a.out + (p.toks[r / a.g] * a.heads + p.kh * a.g + r % a.g) * a.d;
 }
 
 // Merges the partials [n, stride] (each [rows, D + 2]) of one pair into its output rows.
@@ -549,13 +555,14 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // for every x, so the compiler drops the subtraction.)
 inline vf splat(float x) { return x - vf{}; }
 
-// Knobs, each read from its environment variable on first use: which rows take the lanes path, MVLLM_ATTN_LANES: 0
-// none, 1 a prefill's rows but its newest, 2 every row (the default where the lanes are 8 wide: AVX2, NEON, where
-// a decode step's attention at depth 516 took 0.67-0.69x the time of the per-token path, batch 4 0.55-0.58x; 1 with
-// AVX-512, where a decode row's 7 query heads would fill 7 of 16 lanes: 1.08-1.64x); the work a thread in items of lanes pairs, MVLLM_ATTN_ITEMS (default 4), and of (token, kv head)
-// pairs, MVLLM_ATTN_TOKEN_ITEMS (default 1: on the H200 machine's Xeon, same process, a decode step's attention at
-// depth 516 took 0.84x the time of 4 items a thread at 8 threads and 0.87x at 16, batch 4 0.85x / 0.90x; lanes
-// pairs lost 2-14% with fewer items in a warm prefill).
+// Knobs, each read from its environment variable on first use:
+// - MVLLM_ATTN_LANES, which rows take the lanes path: 0 none; 1 a prefill's rows but its newest (the default with
+//   AVX-512, where a decode row's 7 query heads would fill 7 of 16 lanes: 1.08-1.64x the per-token path's time);
+//   2 every row (the default where the lanes are 8 wide, AVX2 and NEON: a decode step's attention at depth 516
+//   took 0.68x the per-token path's time, batch 4 0.61x: results/profile/dev2core-attention-8wide.txt).
+// - MVLLM_ATTN_ITEMS (default 4) and MVLLM_ATTN_TOKEN_ITEMS (default 1): the work a thread in items of lanes pairs
+//   and of (token, kv head) pairs. On the H200 machine's Xeon, same process, one item a thread took a decode
+//   step's attention at depth 516 to 0.84-0.93x the time of four, and cost lanes pairs 2-14% in a warm prefill.
 std::atomic<int64_t> g_lanes{-1}, g_items{-1}, g_token_items{-1};
 
 int64_t knob_value(std::atomic<int64_t>& knob, const char* env_name, int64_t fallback) {
@@ -582,15 +589,6 @@ struct LanesScratch {  // [D][kRL] queries and outputs, [kTile][kRL] scores, m a
   explicit LanesScratch(int64_t d)
       : qt(d * kRL), acc(d * kRL), st(kTile * kRL), m(kRL), l(kRL), len(kRL), rows(kTile + kKB), next(kTile) {}
 };
-
-// Key rows of keys [p0, p0 + n) of one kv head (k: its first key's K) through the block table.
-void key_rows(const Attn& a, const int64_t* table, const float* k, int64_t p0, int64_t n, const float** rows) {
-  const int64_t stride = a.kv * a.d;
-  for (int64_t i = 0, block = p0 / a.bs, off = p0 % a.bs; i < n; ++i) {  // no division per key
-    rows[i] = k + (table[block] * a.bs + off) * stride;
-    if (++off == a.bs) off = 0, ++block;
-  }
-}
 
 template <int NR>
 void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, LanesScratch& sc, float* partial) {
@@ -625,7 +623,10 @@ void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, Lane
     for (int64_t i0 = 0; i0 < padded; i0 += kKB) {  // scores: kKB keys x NR vectors of rows
       // the next tile's keys and values into L2 meanwhile, kKB keys a block (the keys come from memory in a step)
       for (int64_t i = i0 * n_next / padded; i < (i0 + kKB) * n_next / padded; ++i)
-        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(next[i] + c, 0, 2), __builtin_prefetch(next[i] + a.voff + c, 0, 2);
+        for (int64_t c = 0; c < d; c += 16) {
+          __builtin_prefetch(next[i] + c, 0, 2);
+          __builtin_prefetch(next[i] + a.voff + c, 0, 2);
+        }
       vf s[kKB][NR] = {};
       for (int64_t i = 0; i < d; ++i) {
         vf qv[NR];
@@ -693,11 +694,18 @@ void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, Lane
   }
 }
 
+// Sets a knob in this process (same-process comparisons); its previous value back.
 int64_t attention_knob(const std::string& name, int64_t value) {
-  if (name == "lanes") return lanes_mode(), g_lanes.exchange(std::min<int64_t>(std::max<int64_t>(value, 0), 2));
-  if (name == "token_items") return token_items_per_thread(), g_token_items.exchange(std::max<int64_t>(1, value));
-  TORCH_CHECK(name == "items", "attention knobs: lanes, items and token_items, got ", name);
-  return items_per_thread(), g_items.exchange(std::max<int64_t>(1, value));
+  if (name == "lanes") {
+    const int64_t old = lanes_mode();
+    g_lanes.store(std::clamp<int64_t>(value, 0, 2));
+    return old;
+  }
+  TORCH_CHECK(name == "items" || name == "token_items", "attention knobs: lanes, items and token_items, got ", name);
+  std::atomic<int64_t>& knob = name == "items" ? g_items : g_token_items;
+  const int64_t old = name == "items" ? items_per_thread() : token_items_per_thread();
+  knob.store(std::max<int64_t>(1, value));
+  return old;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
@@ -760,9 +768,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     const int64_t blocks = (n_rows + kRL - 1) / kRL, per = (n_rows + blocks - 1) / blocks;
     for (int64_t blk = blocks - 1; blk >= 0; --blk) {
       const int64_t r0 = blk * per, cnt = std::min(per, n_rows - r0);
-      int64_t most = 0;
-      for (int64_t r = r0; r < r0 + cnt; r += g) most = std::max(most, lp[toks[b][r / g]]);
-      most = std::max(most, lp[toks[b][(r0 + cnt - 1) / g]]);
+      int64_t most = 0;  // the block's keys: its rows' longest
+      for (int64_t j = r0 / g; j <= (r0 + cnt - 1) / g; ++j) most = std::max(most, lp[toks[b][j]]);
       for (int64_t kh = 0; kh < kv; ++kh) pairs.push_back({-1, kh, r0, cnt, toks[b].data()}), keys.push_back(most);
       work += cnt * most * kv;
     }
@@ -791,7 +798,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     else if (threads > 1)
       chunk = (std::max((per_token_item + g - 1) / g, kMinChunk) + block_size - 1) / block_size * block_size;
     first[p] = static_cast<int64_t>(items.size());
-    for (int64_t b = 0; b < keys[p]; b += chunk) items.push_back({pr.t, pr.kh, b, std::min(keys[p], b + chunk), p});
+    for (int64_t b = 0; b < keys[p]; b += chunk) items.push_back({p, b, std::min(keys[p], b + chunk)});
     most_rows = std::max(most_rows, pr.rows);
   }
   first[n_pairs] = static_cast<int64_t>(items.size());
@@ -829,7 +836,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
         else
           attend_lanes<1>(a, pr, it.begin, it.end, *lanes_scratch, part);
       } else {
-        attend(a, it, scratch, part);
+        attend(a, pr, it.begin, it.end, scratch, part);
       }
       if (n > 1 && left[it.pair].fetch_sub(1, std::memory_order_acq_rel) == 1)
         merge(a, pr, pp + first[it.pair] * stride, n, stride);

@@ -59,8 +59,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
     at::Tensor seq = seq_of_token, len = key_len;
     if (l == layers - 1 && out_rows) {  // past the last KV write only the returned rows count
       const at::Tensor& rows = *out_rows;
-      q = q.index_select(0, rows), residual = residual->index_select(0, rows);
-      seq = seq.index_select(0, rows), len = len.index_select(0, rows);
+      q = q.index_select(0, rows);
+      residual = residual->index_select(0, rows);
+      seq = seq.index_select(0, rows);
+      len = len.index_select(0, rows);
     }
     const at::Tensor out = attention.call(q, caches[l], block_table, seq, len, block_size, scale);
     const at::Tensor o = linear.call(out, get(l, kOQ), get(l, kOS), w[l * kPerLayer + kOB]);
