@@ -5,7 +5,10 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
 --warm: each step is the prefill of 20 fresh tokens after a cached prefix of 496 (the profile's warm prefill).
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
-        [--python-loop] [--prefill | --warm] [--batch-invariant]
+        [--python-loop] [--prefill | --warm] [--batch-invariant] [--split]
+
+--split: also time a step's phases with perf_counter around them, without the profiler (the C++ layer loop, the LM
+head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps.
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
 rows where cpu_int8.amx()), never the bf16 GEMM.
@@ -25,6 +28,45 @@ from mvllm.engine.params import SamplingParams
 from mvllm.profile.plan import WARM_CACHED, WARM_NEW
 
 
+def phases(engine, step, steps: int) -> dict[str, float]:
+    """Median ms a step of each phase, timed by wrapping the functions a CPU step calls; "step" the whole."""
+    from mvllm.engine import model_runner
+    from mvllm.kernels import cpu_fused, cpu_layers
+
+    spent: dict[str, float] = defaultdict(float)
+    runner = engine.runner
+    targets = [(cpu_layers, "_op", "layers"), (runner.model, "logits", "lm head"), (cpu_fused, "argmax", "argmax"),
+               (model_runner, "build_meta", "metadata")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+
+    def timed(fn, label):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t
+        return call
+
+    for (obj, name, label), (_, _, fn) in zip(targets, saved):
+        setattr(obj, name, timed(fn, label))
+    per_step: dict[str, list[float]] = defaultdict(list)
+    try:
+        for _ in range(steps):
+            spent.clear()
+            t = time.perf_counter()
+            step()
+            wall = time.perf_counter() - t
+            for label in ("layers", "lm head", "argmax", "metadata"):
+                per_step[label].append(spent[label])
+            per_step["rest"].append(wall - sum(spent.values()))
+            per_step["step"].append(wall)
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    return {k: 1000 * sorted(v)[len(v) // 2] for k, v in per_step.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="synthetic:qwen2.5-0.5b")
@@ -37,6 +79,7 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="time cold prefills of --context tokens, not decode")
     ap.add_argument("--warm", action="store_true", help="time warm prefills (20 new after 496 cached), not decode")
     ap.add_argument("--batch-invariant", action="store_true", help="int8w: batch_invariant=on (the kernel at any rows)")
+    ap.add_argument("--split", action="store_true", help="time the step's phases without the profiler")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.python_loop:
@@ -84,6 +127,7 @@ def main() -> None:
         t = time.perf_counter()
         step()
         plain.append(time.perf_counter() - t)
+    split = phases(engine, step, a.steps) if a.split else {}
     by_op: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         if e.key.startswith(("mvllm", "aten::", "mkldnn::")) and e.self_cpu_time_total > 0:
@@ -102,10 +146,12 @@ def main() -> None:
           f"step {bare:.2f} ms ({wall:.2f} under the profiler), ops {ops_ms:.2f} ms")
     for name, ms in top[:14]:
         print(f"  {name:<44} {ms:7.3f} ms/step")
+    if split:
+        print("  phases, no profiler: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " ms")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "int8_path": path, "step_ms": bare, "profiled_step_ms": wall, "ops_ms": ops_ms,
-                       "ops": dict(top)}, f, indent=1)
+                       "ops": dict(top), "phases_ms": split}, f, indent=1)
 
 
 if __name__ == "__main__":
