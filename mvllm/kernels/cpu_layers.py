@@ -37,10 +37,12 @@ def available() -> bool:
 
 
 class Layers:
-    """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve."""
+    """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve. The C++ loop
+    holds them in one object (torch.classes.mvllm_layers.Weights), made on first use."""
 
     def __init__(self, weights: list[torch.Tensor | None], final_norm: torch.Tensor, max_rows: float):
         self.weights, self.final_norm, self.max_rows = weights, final_norm, max_rows
+        self._held = None
 
     @classmethod
     def of(cls, model) -> Layers | None:
@@ -65,7 +67,9 @@ class Layers:
     def forward(self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
                 meta) -> torch.Tensor:
         cfg, attn = model.cfg, model.layers[0].self_attn
-        return _op(x, self.weights, caches, self.final_norm, cos, sin, meta.slot_mapping,
-                   meta.block_index, meta.token_seq, meta.key_len, meta.block_size, attn.scale, attn.heads,
-                   attn.kv_heads, cfg.rms_norm_eps, meta.out_rows)
+        if self._held is None:
+            self._held = torch.classes.mvllm_layers.Weights(self.weights, self.final_norm)
+        return _op(x, self._held, caches, cos, sin, meta.slot_mapping, meta.block_index, meta.token_seq,
+                   meta.key_len, meta.block_size, attn.scale, attn.heads, attn.kv_heads, cfg.rms_norm_eps,
+                   meta.out_rows)
 

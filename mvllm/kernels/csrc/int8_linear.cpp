@@ -1131,6 +1131,11 @@ int64_t knob(const std::string& name, int64_t value) {
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
+// lanes8's int8 activations of up to this many bytes (their groups' scales and offsets: a 16th as many entries, the
+// group being a multiple of 16) go in buffers of the calling thread kept across calls; a decode step made three
+// allocations a call for them (on the H200 machine's Xeon the step's 500 or so allocations took ~0.25 ms).
+constexpr int64_t kScratchBytes = 64 << 10;
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cpu() && q.is_cpu() && scales.is_cpu(), "int8_linear runs on CPU tensors");
@@ -1180,13 +1185,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs, xc;
   if (quads) {
-    xq = at::empty({rows, in}, x.options().dtype(at::kChar));
-    xs = at::empty({rows, groups}, x.options());
-    xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      quantize_groups(p, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xc.data_ptr<int32_t>(), begin, end);
-    });
-    p.x8 = xq.data_ptr<int8_t>(), p.x8s = xs.data_ptr<float>(), p.x8c = xc.data_ptr<int32_t>();
+    int8_t* q8;
+    float* s8;
+    int32_t* c8;
+    if (rows * in <= kScratchBytes) {  // a decode step's calls: the calling thread's buffers, no allocation
+      thread_local std::vector<int8_t> tq(kScratchBytes);
+      thread_local std::vector<float> ts(kScratchBytes / 16);
+      thread_local std::vector<int32_t> tc(kScratchBytes / 16);
+      q8 = tq.data(), s8 = ts.data(), c8 = tc.data();
+    } else {
+      xq = at::empty({rows, in}, x.options().dtype(at::kChar));
+      xs = at::empty({rows, groups}, x.options());
+      xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
+      q8 = xq.data_ptr<int8_t>(), s8 = xs.data_ptr<float>(), c8 = xc.data_ptr<int32_t>();
+    }
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { quantize_groups(p, q8, s8, c8, begin, end); });
+    p.x8 = q8, p.x8s = s8, p.x8c = c8;
   } else if (packed || int16_rows(p.group)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
     xs = at::empty({rows}, x.options());
