@@ -88,7 +88,7 @@ def main() -> None:
         cpu_layers.ENABLED = False
     engine = Engine(EngineConfig(model=a.model, device="cpu", threads=a.threads, quant=a.quant,
                                  max_active=max(4, a.batch), batch_invariant=a.batch_invariant or None))
-    params = SamplingParams(max_tokens=3 * a.steps + 8 + a.batch * a.context // 64, temperature=0.0,
+    params = SamplingParams(max_tokens=4 * a.steps + 8 + a.batch * a.context // 64, temperature=0.0,
                             ignore_eos=True)
     seqs = [engine.add_request([(7 * b + 3 * k) % 1000 + 1 for k in range(a.context)], params)
             for b in range(a.batch)]
