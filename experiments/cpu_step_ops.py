@@ -6,9 +6,14 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
         [--python-loop] [--prefill | --warm] [--batch-invariant] [--split]
+        [--knobs next=0,next=1 [--rounds 4]]
 
 --split: also time a step's phases with perf_counter around them, without the profiler (the C++ layer loop, the LM
 head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps.
+
+--knobs next=0,next=1: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
+(cpu_int8.knob; "next=0:chunks=4" sets two) in turn, --rounds times, in one process: each setting's median step
+against the first's, the host's drift shared.
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
 rows where cpu_int8.amx()), never the bf16 GEMM.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 
@@ -67,6 +73,33 @@ def phases(engine, step, steps: int) -> dict[str, float]:
     return {k: 1000 * sorted(v)[len(v) // 2] for k, v in per_step.items()}
 
 
+def knob_rounds(a, settings: list[str], step) -> None:
+    """--knobs: each setting's steps in turn, a.rounds times; the medians printed against the first setting's."""
+    from mvllm.kernels import cpu_int8
+
+    def apply(setting: str) -> dict[str, int]:
+        return {name: cpu_int8.knob(name, int(value)) for name, value in (kv.split("=") for kv in setting.split(":"))}
+
+    times: dict[str, list[float]] = {k: [] for k in settings}
+    for _ in range(a.rounds):
+        for k in settings:
+            old = apply(k)
+            for _ in range(a.steps):
+                t = time.perf_counter()
+                step()
+                times[k].append(time.perf_counter() - t)
+            for name, value in old.items():
+                cpu_int8.knob(name, value)
+    med = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    kind = f"batch={a.batch} context~{a.context}" if not (a.prefill or a.warm) else "prefill" if a.prefill else "warm"
+    for k in settings:
+        print(f"cpu threads={a.threads} {kind}: {k:<24} step {med[k]:7.3f} ms, {med[k] / med[settings[0]]:.3f}x "
+              f"{settings[0]}'s ({a.rounds} rounds of {a.steps} steps)")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "median_ms": med, "times_s": times}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="synthetic:qwen2.5-0.5b")
@@ -80,15 +113,19 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="time warm prefills (20 new after 496 cached), not decode")
     ap.add_argument("--batch-invariant", action="store_true", help="int8w: batch_invariant=on (the kernel at any rows)")
     ap.add_argument("--split", action="store_true", help="time the step's phases without the profiler")
+    ap.add_argument("--knobs", help="int8 knob settings to time in turn, comma-separated (see above)")
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out")
     a = ap.parse_args()
+    settings = a.knobs.split(",") if a.knobs else []
     if a.python_loop:
         from mvllm.kernels import cpu_layers
 
         cpu_layers.ENABLED = False
     engine = Engine(EngineConfig(model=a.model, device="cpu", threads=a.threads, quant=a.quant,
                                  max_active=max(4, a.batch), batch_invariant=a.batch_invariant or None))
-    params = SamplingParams(max_tokens=4 * a.steps + 8 + a.batch * a.context // 64, temperature=0.0,
+    rounds = len(settings) * a.rounds if settings else 3
+    params = SamplingParams(max_tokens=(rounds + 1) * a.steps + 8 + a.batch * a.context // 64, temperature=0.0,
                             ignore_eos=True)
     seqs = [engine.add_request([(7 * b + 3 * k) % 1000 + 1 for k in range(a.context)], params)
             for b in range(a.batch)]
@@ -116,6 +153,8 @@ def main() -> None:
             engine.abort(s.request_id)
         for _ in range(2):
             step()
+    if settings:
+        return knob_rounds(a, settings, step)
     walls = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):

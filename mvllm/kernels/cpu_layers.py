@@ -40,8 +40,9 @@ class Layers:
     """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve. The C++ loop
     holds them in one object (torch.classes.mvllm_layers.Weights), made on first use."""
 
-    def __init__(self, weights: list[torch.Tensor | None], final_norm: torch.Tensor, max_rows: float):
-        self.weights, self.final_norm, self.max_rows = weights, final_norm, max_rows
+    def __init__(self, weights: list[torch.Tensor | None], final_norm: torch.Tensor, max_rows: float,
+                 head: torch.Tensor | None = None):
+        self.weights, self.final_norm, self.max_rows, self.head = weights, final_norm, max_rows, head
         self._held = None
 
     @classmethod
@@ -59,7 +60,9 @@ class Layers:
             weights += [layer.input_layernorm.weight, attn.qkv_proj.q, attn.qkv_proj.scales, attn.qkv_proj.bias,
                         attn.o_proj.q, attn.o_proj.scales, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.q, mlp.gate_up_proj.scales, mlp.down_proj.q, mlp.down_proj.scales]
-        return cls([w.detach() if w is not None else None for w in weights], model.norm.weight.detach(), max_rows)
+        head = getattr(model.lm_head, "q", None)  # prefetched in the last layer's tail (int8_linear's `next`)
+        return cls([w.detach() if w is not None else None for w in weights], model.norm.weight.detach(), max_rows,
+                   head if isinstance(head, torch.Tensor) else None)
 
     def serves(self, rows: int) -> bool:
         return ENABLED and rows <= self.max_rows and available()
@@ -68,7 +71,7 @@ class Layers:
                 meta) -> torch.Tensor:
         cfg, attn = model.cfg, model.layers[0].self_attn
         if self._held is None:
-            self._held = torch.classes.mvllm_layers.Weights(self.weights, self.final_norm)
+            self._held = torch.classes.mvllm_layers.Weights(self.weights, self.final_norm, self.head)
         return _op(x, self._held, caches, cos, sin, meta.slot_mapping, meta.block_index, meta.token_seq,
                    meta.key_len, meta.block_size, attn.scale, attn.heads, attn.kv_heads, cfg.rms_norm_eps,
                    meta.out_rows)

@@ -61,6 +61,8 @@ struct Problem {
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
   bool amx = false;           // lanes8: calls of more than amx_above() rows take AMX tiles (each thread loads their config)
+  const uint8_t* next = nullptr;  // the next call's weights, prefetched in this call's tail (tail_prefetch)
+  int64_t next_bytes = 0;
   int64_t groups() const { return in / group; }
 };
 
@@ -1072,6 +1074,26 @@ std::atomic<int64_t>& chunks_per_thread() {
   return n;
 }
 
+// The next call's weights (decode_layers passes each linear the one after it): while a call's last units still
+// run, each thread that has none left prefetches the start of the next weights into L2, in pieces of kPieceBytes
+// claimed in order, so that the memory a call's tail leaves idle brings in what the next call's threads read first
+// (they claim its chunks in the same order). Prefetches change no result. MVLLM_INT8_NEXT=0 (knob "next" 0) turns
+// it off.
+constexpr int64_t kPieceBytes = 4096;
+std::atomic<int64_t>& next_on() {
+  static std::atomic<int64_t> on{env_int("MVLLM_INT8_NEXT", 1, 0, 1)};
+  return on;
+}
+void tail_prefetch(const Problem& p, std::atomic<int64_t>& piece, const std::atomic<int64_t>& done, int64_t total) {
+  if (!p.next || !next_on().load(std::memory_order_relaxed)) return;
+  while (done.load(std::memory_order_relaxed) < total) {
+    const int64_t at = piece.fetch_add(1, std::memory_order_relaxed) * kPieceBytes;
+    if (at >= p.next_bytes) return;
+    const uint8_t* b = p.next + at;
+    for (int64_t i = 0; i < std::min(kPieceBytes, p.next_bytes - at); i += 64) __builtin_prefetch(b + i, 0, 2);
+  }
+}
+
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
   const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
@@ -1102,11 +1124,19 @@ void run(const Problem& p) {
         block(p, r, std::min(band, p.rows - r), o0, outs);
       }
   };
+  std::atomic<int64_t> done{0}, piece{0};  // units finished; pieces of the next weights claimed (tail_prefetch)
   if (per == 0 || threads == 1 || n_chunks * bands <= threads) {  // too few to share out unevenly: one range each
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    // at::parallel_for(0, blocks, grain)'s split, written out so that the ranges can be counted
+    const int64_t ways = std::min(threads, (blocks + grain - 1) / grain), span = (blocks + ways - 1) / ways;
+    const int64_t ranges = (blocks + span - 1) / span;
+    at::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
       if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
-      for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows) unit(r0, begin, end);
+      for (int64_t k = begin; k < end; ++k) {
+        for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows) unit(r0, k * span, std::min(blocks, (k + 1) * span));
+        done.fetch_add(1, std::memory_order_relaxed);
+      }
       if (p.amx) amx_end();
+      tail_prefetch(p, piece, done, ranges);
     });
     return;
   }
@@ -1116,18 +1146,21 @@ void run(const Problem& p) {
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks * bands;) {
       const int64_t c = u % n_chunks;
       unit(u / n_chunks * unit_rows, c * size, std::min(blocks, (c + 1) * size));
+      done.fetch_add(1, std::memory_order_relaxed);
     }
     if (p.amx) amx_end();
+    tail_prefetch(p, piece, done, n_chunks * bands);
   });
 }
 
-// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows) or "bands" (0 or
-// 1); the previous value back.
+// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
+// 1) or "next" (0 or 1); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above and bands, got ", name);
+  if (name == "next") return next_on().exchange(std::clamp<int64_t>(value, 0, 1));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands and next, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
@@ -1137,7 +1170,7 @@ int64_t knob(const std::string& name, int64_t value) {
 constexpr int64_t kScratchBytes = 64 << 10;
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& next) {
   TORCH_CHECK(x.is_cpu() && q.is_cpu() && scales.is_cpu(), "int8_linear runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [rows, in]");
@@ -1178,6 +1211,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             packed ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr,
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
+  if (next.has_value() && next->is_cpu() && next->is_contiguous())
+    p.next = static_cast<const uint8_t*>(next->data_ptr()), p.next_bytes = next->nbytes();
   p.lanes = packed && !quads;
   p.amx = quads && rows > amx_above().load(std::memory_order_relaxed) && amx_on(p.group);
   if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
@@ -1217,7 +1252,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(mvllm_int8, m) {
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None) -> Tensor", &int8_linear);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None, Tensor? next=None) -> Tensor",
+        &int8_linear);
   m.def("path(int group) -> str", &path_name);
   m.def("has_lanes() -> bool", [] { return kHasLanes; });
   m.def("has_lanes8() -> bool", [] { return kHasLanes8; });

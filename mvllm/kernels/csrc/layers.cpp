@@ -29,7 +29,9 @@ enum : int64_t { kNorm1, kQkvQ, kQkvS, kQkvB, kOQ, kOS, kOB, kNorm2, kGateUpQ, k
 struct Weights : torch::CustomClassHolder {
   std::vector<Opt> w;
   at::Tensor final_norm;
-  Weights(const c10::List<Opt>& weights, at::Tensor norm) : w(weights.begin(), weights.end()), final_norm(norm) {
+  Opt head;  // the LM head's int8 weights, which the last layer's down projection prefetches in its tail
+  Weights(const c10::List<Opt>& weights, at::Tensor norm, Opt lm_head)
+      : w(weights.begin(), weights.end()), final_norm(norm), head(std::move(lm_head)) {
     TORCH_CHECK(!w.empty() && w.size() % kPerLayer == 0, "weights: expected ", kPerLayer, " a layer, got ", w.size());
   }
   int64_t layers() const { return static_cast<int64_t>(w.size()) / kPerLayer; }
@@ -57,8 +59,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::intrusive_ptr<Weight
                                               const at::Tensor&, const at::Tensor&, int64_t, double)>(
       "mvllm_fused::paged_attention");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("mvllm_fused::silu_mul");
-  static const auto linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&)>(
-      "mvllm_int8::int8_linear");
+  static const auto linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&,
+                                           const Opt&)>("mvllm_int8::int8_linear");
   const Weights& W = *weights;
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(W.layers() == layers, "weights: ", W.layers(), " layers for ", layers, " caches");
@@ -68,7 +70,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::intrusive_ptr<Weight
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor h = norm.call(x, residual, get(l, kNorm1), eps);
     if (!residual) residual = x;
-    const at::Tensor qkv = linear.call(h, get(l, kQkvQ), get(l, kQkvS), W.maybe(l, kQkvB));
+    const at::Tensor qkv = linear.call(h, get(l, kQkvQ), get(l, kQkvS), W.maybe(l, kQkvB), get(l, kOQ));
     at::Tensor q = rope.call(qkv, cos, sin, caches[l], slots, heads, kv_heads);
     at::Tensor seq = seq_of_token, len = key_len;
     if (l == layers - 1 && out_rows) {  // past the last KV write only the returned rows count
@@ -79,10 +81,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::intrusive_ptr<Weight
       len = len.index_select(0, rows);
     }
     const at::Tensor out = attention.call(q, caches[l], block_table, seq, len, block_size, scale);
-    const at::Tensor o = linear.call(out, get(l, kOQ), get(l, kOS), W.maybe(l, kOB));
+    const at::Tensor o = linear.call(out, get(l, kOQ), get(l, kOS), W.maybe(l, kOB), get(l, kGateUpQ));
     const at::Tensor h2 = norm.call(o, residual, get(l, kNorm2), eps);
-    const at::Tensor gate_up = linear.call(h2, get(l, kGateUpQ), get(l, kGateUpS), std::nullopt);
-    x = linear.call(silu_mul.call(gate_up), get(l, kDownQ), get(l, kDownS), std::nullopt);
+    const at::Tensor gate_up = linear.call(h2, get(l, kGateUpQ), get(l, kGateUpS), std::nullopt, get(l, kDownQ));
+    x = linear.call(silu_mul.call(gate_up), get(l, kDownQ), get(l, kDownS), std::nullopt,
+                    l + 1 < layers ? Opt(get(l + 1, kQkvQ)) : W.head);
   }
   return norm.call(x, residual, W.final_norm, eps);
 }
@@ -90,7 +93,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::intrusive_ptr<Weight
 }  // namespace
 
 TORCH_LIBRARY(mvllm_layers, m) {
-  m.class_<Weights>("Weights").def(torch::init<c10::List<Opt>, at::Tensor>());
+  m.class_<Weights>("Weights").def(torch::init<c10::List<Opt>, at::Tensor, Opt>());
   m.def("decode_layers(Tensor(b!) x, __torch__.torch.classes.mvllm_layers.Weights weights, Tensor(a!)[] caches,"
         " Tensor cos, Tensor sin, Tensor slots, Tensor block_table, Tensor seq_of_token, Tensor key_len,"
         " int block_size, float scale, int heads, int kv_heads, float eps, Tensor? out_rows=None) -> Tensor",
