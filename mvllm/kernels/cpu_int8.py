@@ -109,7 +109,7 @@ def knob(name: str, value: int) -> int:
     than this take AMX tiles where amx() (MVLLM_INT8_AMX_ABOVE, default 8). "bands": 1 cuts a call's rows into
     bands the threads claim apart (MVLLM_INT8_BANDS, default 1). "next": 1 has the threads without work left in a
     call's tail prefetch the next call's weights (the op's `next` argument, which the C++ layer loop passes;
-    MVLLM_INT8_NEXT, default 1)."""
+    MVLLM_INT8_NEXT, default 0: not yet measured on a many-core machine)."""
     return torch.ops.mvllm_int8.knob(name, value)
 
 

@@ -26,7 +26,7 @@ def _load():
     if not (cpu_fused.available() and cpu_int8.available()):
         raise RuntimeError("the fused or int8 CPU kernels did not build")
     build.build("mvllm_layers", "layers.cpp")
-    return torch.ops.mvllm_layers.decode_layers
+    return torch.ops.mvllm_layers.decode_layers.default
 
 
 @functools.cache

@@ -1077,11 +1077,12 @@ std::atomic<int64_t>& chunks_per_thread() {
 // The next call's weights (decode_layers passes each linear the one after it): while a call's last units still
 // run, each thread that has none left prefetches the start of the next weights into L2, in pieces of kPieceBytes
 // claimed in order, so that the memory a call's tail leaves idle brings in what the next call's threads read first
-// (they claim its chunks in the same order). Prefetches change no result. MVLLM_INT8_NEXT=0 (knob "next" 0) turns
-// it off.
+// (they claim its chunks in the same order). Prefetches change no result. Off by default: not yet measured on the
+// H200 machine's Xeon (on the 2-vCPU development machine, where a call's tail is short, 0.98-1.03x the step time
+// without it); MVLLM_INT8_NEXT=1 (knob "next" 1) turns it on, for `experiments/cpu_step_ops.py --knobs next=0,next=1`.
 constexpr int64_t kPieceBytes = 4096;
 std::atomic<int64_t>& next_on() {
-  static std::atomic<int64_t> on{env_int("MVLLM_INT8_NEXT", 1, 0, 1)};
+  static std::atomic<int64_t> on{env_int("MVLLM_INT8_NEXT", 0, 0, 1)};
   return on;
 }
 void tail_prefetch(const Problem& p, std::atomic<int64_t>& piece, const std::atomic<int64_t>& done, int64_t total) {
