@@ -1225,10 +1225,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     float* s8;
     int32_t* c8;
     if (rows * in <= kScratchBytes) {  // a decode step's calls: the calling thread's buffers, no allocation
-      thread_local std::vector<int8_t> tq(kScratchBytes);
-      thread_local std::vector<float> ts(kScratchBytes / 16);
-      thread_local std::vector<int32_t> tc(kScratchBytes / 16);
-      q8 = tq.data(), s8 = ts.data(), c8 = tc.data();
+      thread_local std::vector<uint8_t> scratch(kScratchBytes + 2 * kScratchBytes / 16 * 4 + 64);
+      uint8_t* at = scratch.data() + (-reinterpret_cast<uintptr_t>(scratch.data()) & 63);  // 64-byte aligned, as at::empty
+      q8 = reinterpret_cast<int8_t*>(at);
+      s8 = reinterpret_cast<float*>(at + kScratchBytes);
+      c8 = reinterpret_cast<int32_t*>(at + kScratchBytes + kScratchBytes / 16 * 4);
     } else {
       xq = at::empty({rows, in}, x.options().dtype(at::kChar));
       xs = at::empty({rows, groups}, x.options());
