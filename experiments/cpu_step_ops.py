@@ -6,13 +6,13 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
 
     python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
         [--python-loop] [--prefill | --warm] [--batch-invariant] [--split]
-        [--knobs next=0,next=1 [--rounds 4]]
+        [--knobs chunks=8,chunks=4 [--rounds 4]]
 
 --split: also time a step's phases with perf_counter around them, without the profiler (the C++ layer loop, the LM
 head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps.
 
---knobs next=0,next=1: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
-(cpu_int8.knob; "next=0:chunks=4" sets two) in turn, --rounds times, in one process: each setting's median step
+--knobs chunks=8,chunks=4: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
+(cpu_int8.knob; "chunks=4:stage=0" sets two) in turn, --rounds times, in one process: each setting's median step
 against the first's, the host's drift shared.
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32

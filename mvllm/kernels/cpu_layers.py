@@ -26,7 +26,7 @@ def _load():
     if not (cpu_fused.available() and cpu_int8.available()):
         raise RuntimeError("the fused or int8 CPU kernels did not build")
     build.build("mvllm_layers", "layers.cpp")
-    return torch.ops.mvllm_layers.decode_layers.default
+    return torch.ops.mvllm_layers.decode_layers
 
 
 @functools.cache
@@ -37,13 +37,10 @@ def available() -> bool:
 
 
 class Layers:
-    """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve. The C++ loop
-    holds them in one object (torch.classes.mvllm_layers.Weights), made on first use."""
+    """A decoder's int8w weights, flat in csrc/layers.cpp's order, and the batch size they serve."""
 
-    def __init__(self, weights: list[torch.Tensor | None], final_norm: torch.Tensor, max_rows: float,
-                 head: torch.Tensor | None = None):
-        self.weights, self.final_norm, self.max_rows, self.head = weights, final_norm, max_rows, head
-        self._held = None
+    def __init__(self, weights: list[torch.Tensor | None], final_norm: torch.Tensor, max_rows: float):
+        self.weights, self.final_norm, self.max_rows = weights, final_norm, max_rows
 
     @classmethod
     def of(cls, model) -> Layers | None:
@@ -60,9 +57,7 @@ class Layers:
             weights += [layer.input_layernorm.weight, attn.qkv_proj.q, attn.qkv_proj.scales, attn.qkv_proj.bias,
                         attn.o_proj.q, attn.o_proj.scales, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.q, mlp.gate_up_proj.scales, mlp.down_proj.q, mlp.down_proj.scales]
-        head = getattr(model.lm_head, "q", None)  # prefetched in the last layer's tail (int8_linear's `next`)
-        return cls([w.detach() if w is not None else None for w in weights], model.norm.weight.detach(), max_rows,
-                   head if isinstance(head, torch.Tensor) else None)
+        return cls([w.detach() if w is not None else None for w in weights], model.norm.weight.detach(), max_rows)
 
     def serves(self, rows: int) -> bool:
         return ENABLED and rows <= self.max_rows and available()
@@ -70,9 +65,7 @@ class Layers:
     def forward(self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
                 meta) -> torch.Tensor:
         cfg, attn = model.cfg, model.layers[0].self_attn
-        if self._held is None:
-            self._held = torch.classes.mvllm_layers.Weights(self.weights, self.final_norm, self.head)
-        return _op(x, self._held, caches, cos, sin, meta.slot_mapping, meta.block_index, meta.token_seq,
-                   meta.key_len, meta.block_size, attn.scale, attn.heads, attn.kv_heads, cfg.rms_norm_eps,
-                   meta.out_rows)
+        return _op(x, self.weights, caches, self.final_norm, cos, sin, meta.slot_mapping,
+                   meta.block_index, meta.token_seq, meta.key_len, meta.block_size, attn.scale, attn.heads,
+                   attn.kv_heads, cfg.rms_norm_eps, meta.out_rows)
 

@@ -756,9 +756,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   // (lanes mode 2), in lanes blocks of up to kRL rows; every other row (decode, a prefill's newest) as (token, kv
   // head). Which path a row takes depends on its own sequence alone.
   const bool lanes = lanes_mode() > 0 && d % kDB == 0, every_row = lanes && lanes_mode() == 2;
+  auto in_lanes = [&](int64_t t) { return lanes && (every_row || lp[t] < longest[sp[t]]); };
   std::vector<std::vector<int64_t>> toks(lanes ? rows : 0);
-  for (int64_t t = 0; lanes && t < t_count; ++t)
-    if (every_row || lp[t] < longest[sp[t]]) toks[sp[t]].push_back(t);
+  for (int64_t t = 0; t < t_count; ++t)
+    if (in_lanes(t)) toks[sp[t]].push_back(t);
   std::vector<Pair> pairs;
   std::vector<int64_t> keys;  // each pair's keys: [0, keys)
   int64_t work = 0;           // rows x keys over every pair
@@ -775,7 +776,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     }
   }
   for (int64_t t = 0; t < t_count; ++t) {
-    if (lanes && (every_row || lp[t] < longest[sp[t]])) continue;
+    if (in_lanes(t)) continue;
     for (int64_t kh = 0; kh < kv; ++kh) pairs.push_back({t, kh, 0, g, nullptr}), keys.push_back(lp[t]);
     work += g * lp[t] * kv;
   }

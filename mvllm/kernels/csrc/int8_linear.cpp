@@ -61,8 +61,6 @@ struct Problem {
   int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
   bool amx = false;           // lanes8: calls of more than amx_above() rows take AMX tiles (each thread loads their config)
-  const uint8_t* next = nullptr;  // the next call's weights, prefetched in this call's tail (tail_prefetch)
-  int64_t next_bytes = 0;
   int64_t groups() const { return in / group; }
 };
 
@@ -1074,27 +1072,6 @@ std::atomic<int64_t>& chunks_per_thread() {
   return n;
 }
 
-// The next call's weights (decode_layers passes each linear the one after it): while a call's last units still
-// run, each thread that has none left prefetches the start of the next weights into L2, in pieces of kPieceBytes
-// claimed in order, so that the memory a call's tail leaves idle brings in what the next call's threads read first
-// (they claim its chunks in the same order). Prefetches change no result. Off by default: not yet measured on the
-// H200 machine's Xeon (on the 2-vCPU development machine, where a call's tail is short, 0.98-1.03x the step time
-// without it); MVLLM_INT8_NEXT=1 (knob "next" 1) turns it on, for `experiments/cpu_step_ops.py --knobs next=0,next=1`.
-constexpr int64_t kPieceBytes = 4096;
-std::atomic<int64_t>& next_on() {
-  static std::atomic<int64_t> on{env_int("MVLLM_INT8_NEXT", 0, 0, 1)};
-  return on;
-}
-void tail_prefetch(const Problem& p, std::atomic<int64_t>& piece, const std::atomic<int64_t>& done, int64_t total) {
-  if (!p.next || !next_on().load(std::memory_order_relaxed)) return;
-  while (done.load(std::memory_order_relaxed) < total) {
-    const int64_t at = piece.fetch_add(1, std::memory_order_relaxed) * kPieceBytes;
-    if (at >= p.next_bytes) return;
-    const uint8_t* b = p.next + at;
-    for (int64_t i = 0; i < std::min(kPieceBytes, p.next_bytes - at); i += 64) __builtin_prefetch(b + i, 0, 2);
-  }
-}
-
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
   const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
@@ -1125,19 +1102,11 @@ void run(const Problem& p) {
         block(p, r, std::min(band, p.rows - r), o0, outs);
       }
   };
-  std::atomic<int64_t> done{0}, piece{0};  // units finished; pieces of the next weights claimed (tail_prefetch)
   if (per == 0 || threads == 1 || n_chunks * bands <= threads) {  // too few to share out unevenly: one range each
-    // at::parallel_for(0, blocks, grain)'s split, written out so that the ranges can be counted
-    const int64_t ways = std::min(threads, (blocks + grain - 1) / grain), span = (blocks + ways - 1) / ways;
-    const int64_t ranges = (blocks + span - 1) / span;
-    at::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
-      for (int64_t k = begin; k < end; ++k) {
-        for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows) unit(r0, k * span, std::min(blocks, (k + 1) * span));
-        done.fetch_add(1, std::memory_order_relaxed);
-      }
+      for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows) unit(r0, begin, end);
       if (p.amx) amx_end();
-      tail_prefetch(p, piece, done, ranges);
     });
     return;
   }
@@ -1147,31 +1116,23 @@ void run(const Problem& p) {
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks * bands;) {
       const int64_t c = u % n_chunks;
       unit(u / n_chunks * unit_rows, c * size, std::min(blocks, (c + 1) * size));
-      done.fetch_add(1, std::memory_order_relaxed);
     }
     if (p.amx) amx_end();
-    tail_prefetch(p, piece, done, n_chunks * bands);
   });
 }
 
-// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
-// 1) or "next" (0 or 1); the previous value back.
+// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows) or "bands" (0 or
+// 1); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
-  if (name == "next") return next_on().exchange(std::clamp<int64_t>(value, 0, 1));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands and next, got ", name);
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above and bands, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
-// lanes8's int8 activations of up to this many bytes (their groups' scales and offsets: a 16th as many entries, the
-// group being a multiple of 16) go in buffers of the calling thread kept across calls; a decode step made three
-// allocations a call for them (aten::empty: 0.25 ms of a step under the profiler on the H200 machine's Xeon).
-constexpr int64_t kScratchBytes = 64 << 10;
-
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& next) {
+                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cpu() && q.is_cpu() && scales.is_cpu(), "int8_linear runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [rows, in]");
@@ -1212,8 +1173,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             packed ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr,
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             y.data_ptr<float>(), rows, in, out, in / groups};
-  if (next.has_value() && next->is_cpu() && next->is_contiguous())
-    p.next = static_cast<const uint8_t*>(next->data_ptr()), p.next_bytes = next->nbytes();
   p.lanes = packed && !quads;
   p.amx = quads && rows > amx_above().load(std::memory_order_relaxed) && amx_on(p.group);
   if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
@@ -1221,23 +1180,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   p.ahead = p.block * ahead_blocks();
   at::Tensor xq, xs, xc;
   if (quads) {
-    int8_t* q8;
-    float* s8;
-    int32_t* c8;
-    if (rows * in <= kScratchBytes) {  // a decode step's calls: the calling thread's buffers, no allocation
-      thread_local std::vector<uint8_t> scratch(kScratchBytes + 2 * kScratchBytes / 16 * 4 + 64);
-      uint8_t* at = scratch.data() + (-reinterpret_cast<uintptr_t>(scratch.data()) & 63);  // aligned as at::empty's
-      q8 = reinterpret_cast<int8_t*>(at);
-      s8 = reinterpret_cast<float*>(at + kScratchBytes);
-      c8 = reinterpret_cast<int32_t*>(at + kScratchBytes + kScratchBytes / 16 * 4);
-    } else {
-      xq = at::empty({rows, in}, x.options().dtype(at::kChar));
-      xs = at::empty({rows, groups}, x.options());
-      xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
-      q8 = xq.data_ptr<int8_t>(), s8 = xs.data_ptr<float>(), c8 = xc.data_ptr<int32_t>();
-    }
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { quantize_groups(p, q8, s8, c8, begin, end); });
-    p.x8 = q8, p.x8s = s8, p.x8c = c8;
+    xq = at::empty({rows, in}, x.options().dtype(at::kChar));
+    xs = at::empty({rows, groups}, x.options());
+    xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      quantize_groups(p, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xc.data_ptr<int32_t>(), begin, end);
+    });
+    p.x8 = xq.data_ptr<int8_t>(), p.x8s = xs.data_ptr<float>(), p.x8c = xc.data_ptr<int32_t>();
   } else if (packed || int16_rows(p.group)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
     xs = at::empty({rows}, x.options());
@@ -1254,8 +1203,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(mvllm_int8, m) {
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None, Tensor? next=None) -> Tensor",
-        &int8_linear);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias=None) -> Tensor", &int8_linear);
   m.def("path(int group) -> str", &path_name);
   m.def("has_lanes() -> bool", [] { return kHasLanes; });
   m.def("has_lanes8() -> bool", [] { return kHasLanes8; });
