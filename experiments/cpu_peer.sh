@@ -6,6 +6,8 @@
 #   ROUNDS=2 bash experiments/cpu_peer.sh OUT          both sides twice, in alternating order (OUT/round-K)
 # Cells: decode at batch 1 and 4, 8 and 16 threads, depth 0 and 516 (llama-bench -d, llama-batched-bench -npl),
 # cold prefill of 516 tokens (llama-bench -p 516), warm prefill of 20 after 496 (mvllm only: llama.cpp has none).
+# Each round also reads a buffer of the weights' size pass after pass (experiments/read_bandwidth.cpp), and one of
+# 4 GB (DRAM alone), at 1 thread and each count: the floor under a batch-1 step on this host, which the table adds.
 set -u
 out=${1:?OUT}
 threads=${THREADS:-8,16}
@@ -36,6 +38,14 @@ peer() {  # llama.cpp's cells into $1/lcpp (the first time through the peer's ru
         echo "llama-batched-bench -t $t: exit $?"
     done
 }
+floor_bw() {  # this host's read rate into $1/read-bandwidth.jsonl
+    [[ -x /tmp/read_bw ]] || g++ -O3 -march=native -fopenmp -o /tmp/read_bw experiments/read_bandwidth.cpp
+    local counts
+    counts=$(echo "1,$threads" | tr ',' '\n' | sort -nu | paste -sd,)
+    timeout 120 /tmp/read_bw "$(python3 experiments/cpu_peer_table.py --step-mb),4000" "$counts" 20 > "$1/read-bandwidth.jsonl"
+    echo "read_bandwidth: exit $?"
+    cat "$1/read-bandwidth.jsonl"
+}
 mine() {  # mvllm's cells into $1/mvllm.json
     timeout ${T_MVLLM:-400} python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --backends "$backends" --lengths 516 \
         --repeats 3 --steps 8 --contexts 0,516 --no-accuracy --out "$1/mvllm.json" > "$1/mvllm-profile.txt" 2>&1
@@ -45,11 +55,13 @@ mine() {  # mvllm's cells into $1/mvllm.json
 rounds=${ROUNDS:-1}
 if (( rounds == 1 )); then
     peer "$out"
+    floor_bw "$out"
     mine "$out"
 else  # ROUNDS=N: N rounds, llama.cpp first in odd rounds and mvllm first in even ones, so drift over the call
     for (( k = 1; k <= rounds; k++ )); do  # does not favour one side; the table takes each round's ratios
         mkdir -p "$out/round-$k"
-        if (( k % 2 )); then peer "$out/round-$k"; mine "$out/round-$k"; else mine "$out/round-$k"; peer "$out/round-$k"; fi
+        if (( k % 2 )); then peer "$out/round-$k"; floor_bw "$out/round-$k"; mine "$out/round-$k"
+        else mine "$out/round-$k"; floor_bw "$out/round-$k"; peer "$out/round-$k"; fi
     done
 fi
 python3 experiments/cpu_peer_table.py "$out" --bundle  # table.json and raw.json.gz (every other output)

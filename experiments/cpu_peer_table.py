@@ -4,6 +4,11 @@ With rounds (ROUNDS=N: OUT/round-K), each round's table, and per cell the median
 ratios with their range.
 
     python experiments/cpu_peer_table.py OUT [--json FILE] [--bundle]
+    python experiments/cpu_peer_table.py --step-mb      the MB a decode step's weights are (for read_bandwidth.cpp)
+
+Where OUT holds read-bandwidth.jsonl (experiments/read_bandwidth.cpp, run by cpu_peer.sh), the table also gives the
+floor under a batch-1 decode step at each thread count: the weights' bytes at the rate the host's threads read a
+buffer of that size pass after pass (what of it the L3 keeps included), and each side's time over that floor.
 
 --bundle then folds every other text output under OUT (the peer's and the profile's logs and JSON, mvllm.json
 included) into OUT/raw.json.gz by relative path and deletes them, so a device call brings back two files
@@ -17,6 +22,27 @@ import gzip
 import json
 import statistics
 from pathlib import Path
+
+
+def step_mb(preset: str = "qwen2.5-0.5b", group: int = 32) -> float:
+    """MB of weights a decode step of int8w (and llama.cpp's Q8_0) reads: every linear and the tied LM head, one byte
+    a weight and a float16 scale a group of 32 inputs."""
+    from mvllm.model.presets import PRESETS
+
+    c = PRESETS[preset]
+    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    weights = layers * (h * (h + 2 * kv) + h * h + 2 * h * i + i * h) + c["vocab_size"] * h
+    return weights * (1 + 2 / group) / 1e6
+
+
+def floors(out: Path) -> dict:
+    """{threads: {"mb", "gb_s", "floor_ms"}} from OUT/read-bandwidth.jsonl: the median rate of the step-sized buffer."""
+    path = out / "read-bandwidth.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")] if path.exists() else []
+    mb = step_mb()
+    return {r["threads"]: {"mb": round(mb, 1), "gb_s": r["median_gb_s"], "floor_ms": round(mb / r["median_gb_s"], 2)}
+            for r in rows if abs(r["mb"] - mb) < 1}
 
 
 def llama_bench(path: Path) -> list[dict]:
@@ -82,8 +108,14 @@ def table(out: Path) -> dict:
         if kind == "warm":
             step = mine.get((name, "decode", 1, threads, 516))
             row["decode_steps"] = None if step is None else round(value / step, 2)
+        floor = floors(out).get(threads)
+        if kind == "decode" and batch == 1 and floor:
+            row["floor_ms"] = floor["floor_ms"]
+            row["mvllm_over_floor"] = round(value / floor["floor_ms"], 3)
+            if other is not None:
+                row["llama_cpp_over_floor"] = round(other / floor["floor_ms"], 3)
         rows.append(row)
-    return {"backends": names, "rows": rows,
+    return {"backends": names, "rows": rows, "read_bandwidth": floors(out),
             "rule": "decode: ms a step; prefill: tok/s; warm: ms for 20 new tokens after 496 cached, and in decode "
                     "steps at depth 516. mvllm_over_llama_cpp: mvllm's time over llama.cpp's (below 1: mvllm faster)"}
 
@@ -102,7 +134,8 @@ def by_rounds(out: Path) -> dict | None:
     rows = []
     for rs in cells.values():
         row = {k: rs[0][k] for k in key if k in rs[0]}
-        for k in ("mvllm", "llama_cpp", "mvllm_over_llama_cpp", "decode_steps"):
+        for k in ("mvllm", "llama_cpp", "mvllm_over_llama_cpp", "decode_steps", "floor_ms", "mvllm_over_floor",
+                  "llama_cpp_over_floor"):
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
                 row[k] = round(statistics.median(vals), 3)
@@ -110,16 +143,23 @@ def by_rounds(out: Path) -> dict | None:
                     row[f"{k}_range"] = [min(vals), max(vals)]
         rows.append(row)
     return {"backends": tables[0]["backends"], "rows": rows, "rounds": [r.name for r in rounds],
+            "read_bandwidth": [t["read_bandwidth"] for t in tables],
             "round_tables": tables,
             "rule": tables[0]["rule"] + "; with rounds: the median over the rounds, the ratio's range beside it"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
+    ap.add_argument("out", type=Path, nargs="?")
+    ap.add_argument("--step-mb", action="store_true", help="print the MB of weights a decode step reads, and stop")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--bundle", action="store_true", help="fold the other outputs into OUT/raw.json.gz")
     a = ap.parse_args()
+    if a.step_mb:
+        print(f"{step_mb():.1f}")
+        return
+    if a.out is None:
+        ap.error("OUT is required")
     t = by_rounds(a.out) or table(a.out)
     if "rounds" in t:
         print(f"median of {len(t['rounds'])} rounds (range of the ratio)")
@@ -130,7 +170,9 @@ def main() -> None:
         spread = r.get("mvllm_over_llama_cpp_range", r.get("decode_steps_range"))
         print(f"{r['backend']:<10} {r['cell']:<8} {r['batch']:>5} {r['threads']:>7} {n:>5} {r['mvllm']:>9} "
               f"{'-' if r.get('llama_cpp') is None else r['llama_cpp']:>9} {'-' if ratio is None else ratio:>6}"
-              + (f"  ({spread[0]}-{spread[1]})" if spread else ""))
+              + (f"  ({spread[0]}-{spread[1]})" if spread else "")
+              + (f"  floor {r['floor_ms']} ms: mvllm {r['mvllm_over_floor']}x, llama.cpp "
+                 f"{r.get('llama_cpp_over_floor', '-')}x" if r.get("floor_ms") else ""))
     (a.json or a.out / "table.json").write_text(json.dumps(t, separators=(",", ":")) + "\n")  # compact: the tree travels
     if a.bundle:
         bundle(a.out)
