@@ -12,7 +12,8 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
 head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps.
 
 --knobs chunks=8,chunks=4: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
-(cpu_int8.knob; "chunks=4:stage=0" sets two) in turn, --rounds times, in one process: each setting's median step
+(cpu_int8.knob; "chunks=4:stage=0" sets two) or the layer loop's (cpu_layers.knob: team=0 a region an op, team=1 one
+team of threads a step) in turn, --rounds times, in one process: each setting's median step
 against the first's, the host's drift shared.
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
@@ -75,10 +76,13 @@ def phases(engine, step, steps: int) -> dict[str, float]:
 
 def knob_rounds(a, settings: list[str], step) -> None:
     """--knobs: each setting's steps in turn, a.rounds times; the medians printed against the first setting's."""
-    from mvllm.kernels import cpu_int8
+    from mvllm.kernels import cpu_int8, cpu_layers
+
+    def knob(name: str, value: int) -> int:  # "team" is the layer loop's, the others the int8 kernel's
+        return (cpu_layers.knob if name == "team" else cpu_int8.knob)(name, value)
 
     def apply(setting: str) -> dict[str, int]:
-        return {name: cpu_int8.knob(name, int(value)) for name, value in (kv.split("=") for kv in setting.split(":"))}
+        return {name: knob(name, int(value)) for name, value in (kv.split("=") for kv in setting.split(":"))}
 
     times: dict[str, list[float]] = {k: [] for k in settings}
     for _ in range(a.rounds):
@@ -89,7 +93,7 @@ def knob_rounds(a, settings: list[str], step) -> None:
                 step()
                 times[k].append(time.perf_counter() - t)
             for name, value in old.items():
-                cpu_int8.knob(name, value)
+                knob(name, value)
     med = {k: 1000 * statistics.median(v) for k, v in times.items()}
     kind = f"batch={a.batch} context~{a.context}" if not (a.prefill or a.warm) else "prefill" if a.prefill else "warm"
     for k in settings:

@@ -42,33 +42,35 @@ void spin(double us) {  // busy on the calling thread for `us` microseconds
 }
 }  // namespace
 
-// Median microseconds of `reps` empty regions over `threads` threads, each after `gap_us` of serial work (not counted).
-double region_us(int64_t threads, double gap_us, int64_t reps) {
+// Median microseconds of `reps` calls of `region`, each after `gap_us` of serial work (not counted).
+template <class Region>
+double median_us(double gap_us, int64_t reps, Region region) {
   std::vector<double> t(reps);
-  std::atomic<int64_t> sink{0};
   for (int64_t i = 0; i < reps; ++i) {
     spin(gap_us);
     const auto a = std::chrono::steady_clock::now();
-    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) { sink.fetch_add(e - b, std::memory_order_relaxed); });
+    region();
     t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
   }
   std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
   return t[reps / 2];
 }
 
+// An empty at::parallel_for over `threads` threads.
+double region_us(int64_t threads, double gap_us, int64_t reps) {
+  std::atomic<int64_t> sink{0};
+  return median_us(gap_us, reps, [&] {
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) { sink.fetch_add(e - b, std::memory_order_relaxed); });
+  });
+}
+
 // The same with a bare OpenMP region (no ThreadLocalState, no exception capture).
 double omp_us(int64_t threads, double gap_us, int64_t reps) {
-  std::vector<double> t(reps);
   std::atomic<int64_t> sink{0};
-  for (int64_t i = 0; i < reps; ++i) {
-    spin(gap_us);
-    const auto a = std::chrono::steady_clock::now();
+  return median_us(gap_us, reps, [&] {
 #pragma omp parallel num_threads(threads)
     sink.fetch_add(omp_get_thread_num(), std::memory_order_relaxed);
-    t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
-  }
-  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
-  return t[reps / 2];
+  });
 }
 
 namespace {
@@ -109,18 +111,13 @@ double barrier_us(int64_t threads, double gap_us, int64_t reps) {
         b.wait();
       }
     });
-  std::vector<double> t(reps);
-  for (int64_t i = 0; i < reps; ++i) {
-    spin(gap_us);
-    const auto a = std::chrono::steady_clock::now();
+  const double us = median_us(gap_us, reps, [&] {
     b.wait();
     sink.fetch_add(0, std::memory_order_relaxed);
     b.wait();
-    t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
-  }
+  });
   for (auto& th : team) th.join();
-  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
-  return t[reps / 2];
+  return us;
 }
 """
 

@@ -4,6 +4,7 @@ ops in the same order, so the hidden states are bitwise equal, and the KV caches
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -78,3 +79,58 @@ def test_greedy_tokens_match_the_python_loop():
         return [s.output_ids for s in seqs]
 
     assert run() == python_loop(run)
+
+
+def per_op(fn):
+    old = cpu_layers.knob("team", 0)
+    try:
+        return fn()
+    finally:
+        cpu_layers.knob("team", old)
+
+
+@pytest.mark.parametrize("model", ["synthetic:tiny-qwen2", "synthetic:tiny-llama"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_in_one_team_matches_a_region_an_op(model, threads):
+    """Decode-sized steps run every layer in one team of threads (csrc/layers.cpp); the hidden states and the KV
+    caches are bitwise those of the loop that opens a region an op, with the attention's keys split over items."""
+    if threads > (os.cpu_count() or 1):
+        pytest.skip(f"{threads} threads: more than this machine's cores")
+    if cpu_int8.layout() not in ("lanes", "lanes8"):
+        pytest.skip(f"the team takes decode steps in the lanes layouts; here the kernel has {cpu_int8.layout()!r}")
+    e = Engine(EngineConfig(model=model, quant="int8w", threads=threads, num_blocks=64))
+    long = [(7 * k) % 500 + 1 for k in range(120)]  # 120 keys: split into items (tiny-llama's one kv head)
+    short = [(3 * k) % 400 + 2 for k in range(9)]
+    batch = [(long, 119), (short, 8), (short, 5)]  # 1 + 1 + 4 rows
+    for cache in e.runner.caches:
+        cache.zero_()
+    hidden_rows(e, [(long[:119], 0)])  # the long prompt's keys into the cache first (a prefill: the ops)
+    before = [c.clone() for c in e.runner.caches]
+    calls = cpu_layers.team_calls()
+    team = hidden_rows(e, batch)
+    assert cpu_layers.team_calls() == calls + 1
+    team_cache = [c.clone() for c in e.runner.caches]
+    for cache, saved in zip(e.runner.caches, before):
+        cache.copy_(saved)
+    ops = per_op(lambda: hidden_rows(e, batch))
+    assert cpu_layers.team_calls() == calls + 1
+    for t, o in zip(team, ops):
+        assert torch.equal(t, o)
+    for t, o in zip(team_cache, e.runner.caches):
+        assert torch.equal(t, o)
+
+
+def test_greedy_tokens_in_one_team_match_a_region_an_op():
+    def run():
+        e = engine("synthetic:tiny-llama")
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        seqs = [e.add_request([(5 * r + 2 * k) % 500 + 1 for k in range(3 + 30 * r)], params) for r in range(4)]
+        while e.has_unfinished():
+            e.step()
+        return [s.output_ids for s in seqs]
+
+    calls = cpu_layers.team_calls()
+    team = run()
+    if cpu_int8.layout() in ("lanes", "lanes8"):
+        assert cpu_layers.team_calls() > calls
+    assert team == per_op(run)

@@ -13,7 +13,8 @@ so tests can stand in for a Mac):
   arm64 may not take it, and NEON is the arm64 baseline anyway.)
 
 Each attempt lands in $MVLLM_CACHE/ext/<torch version>-<key>/, the key hashing the compiler (the CXX string and
-the first line of its --version), the flags, the source and this CPU's features (a -march=native build runs
+the first line of its --version), the flags, the source and the headers beside it (csrc/*.h: the kernels that
+fused.cpp, int8_linear.cpp and layers.cpp share) and this CPU's features (a -march=native build runs
 only on CPUs like the one that built it).
 
 A flag set that fails leaves `failed.json` in its directory: the compiler's first error line, the flags, the
@@ -216,7 +217,8 @@ def _version(command: str) -> str:
 
 def build_dir(source: Path, flags: FlagSet, compiler_id: str | None = None) -> Path:
     compiler_id = compiler() if compiler_id is None else compiler_id
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(flags.cflags).encode(),
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(flags.cflags).encode(),
                                      " ".join(flags.ldflags).encode(), compiler_id.encode(),
                                      cpu_features().encode()])).hexdigest()
     path = cache_dir() / "ext" / f"{torch.__version__}-{key[:16]}"

@@ -1,26 +1,337 @@
-// The CPU decoder's layer loop for int8w (model/cpu_forward.py's loop, the same ops in the same order): each
-// layer's nine calls go to mvllm's fused and int8 ops through the dispatcher from C++, so a decode step pays no
-// Python between them (on the 2-vCPU machine, 6-7 ms of a 57-63 ms step was Python between the ops).
-// The ops are looked up by name: mvllm_fused and mvllm_int8 must be loaded first (kernels/cpu_layers.py does).
+// The CPU decoder's layer loop for int8w (model/cpu_forward.py's loop, the same ops in the same order), calling the
+// fused and int8 kernels directly (fused_kernels.h, int8_kernels.h), so a step pays no Python and no dispatcher
+// between them (on the 2-vCPU machine, 6-7 ms of a 57-63 ms step was Python between the ops).
+//
+// Decode-sized steps (rows the lanes and lanes8 kernels take without AMX or GEMM blocks) run every layer in one team of
+// threads (one OpenMP region a step) instead of a region an op: thread 0 runs the small serial work (norms and the
+// activations' rounding, RoPE, SiLU), all threads share each linear and the attention, and they meet at spin
+// barriers. A linear's output blocks are mostly split evenly, the rest claimed in turn (a thread the host slows
+// takes fewer); a thread waiting at a barrier prefetches (into its L2) the start of its even share of the next
+// linear, so the memory works through the serial parts and the barriers. On the H200 machine's Xeon, outside torch,
+// this layout read a step's weights 9-20% faster than a region a linear (experiments/team_probe.cpp). Every result
+// is bitwise the per-op loop's: the same kernels on the same rows, the attention's items planned as its op plans
+// them. MVLLM_TEAM=0 (knob "team" 0) keeps the region an op, for same-process comparisons.
+
+#include "fused_kernels.h"
+#include "int8_kernels.h"
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include <atomic>
+#include <memory>
 #include <optional>
 #include <vector>
 
 namespace {
 
+namespace F = mvllm::fused;
+namespace I = mvllm::int8;
 using Opt = std::optional<at::Tensor>;
-
-template <class Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 constexpr int64_t kPerLayer = 12;  // the weights of a layer, in this order (kernels/cpu_layers.py packs them)
 enum : int64_t { kNorm1, kQkvQ, kQkvS, kQkvB, kOQ, kOS, kOB, kNorm2, kGateUpQ, kGateUpS, kDownQ, kDownS };
+
+std::atomic<int64_t>& team_on() {
+  static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM", 1, 0, 1)};
+  return on;
+}
+std::atomic<int64_t> team_calls{0};  // calls the team ran (tests ask which path a step took)
+
+// ---- the team's barrier ----
+
+// Sense-reversing central barrier of n threads; a thread that waits runs idle() between polls (false: nothing to do).
+struct Barrier {
+  alignas(64) std::atomic<int64_t> count{0};
+  alignas(64) std::atomic<int64_t> gen{0};
+  int64_t n = 1;
+  template <class Idle>
+  void wait(Idle&& idle) {
+    const int64_t g = gen.load(std::memory_order_acquire);
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      gen.store(g + 1, std::memory_order_release);
+      return;
+    }
+    while (gen.load(std::memory_order_acquire) == g)
+      if (!idle()) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+  }
+};
+
+// A linear of the team: its problem (x, y and the activations' rounding set to the step's buffers), the output
+// blocks split evenly among the threads (the first `even` of them) and the rest claimed in turn.
+struct TeamLinear {
+  I::Problem p;
+  int16_t* xq16 = nullptr;  // the lanes layout's rounding of x (int16 a row); lanes8's is p.x8, p.x8s, p.x8c
+  int64_t blocks = 0, even = 0, chunk = 1;
+  std::atomic<int64_t> next{0};  // the claimed blocks past `even`
+
+  void setup(int64_t threads) {
+    blocks = (p.out + p.block - 1) / p.block;
+    even = blocks * 3 / 4 / threads * threads;  // a quarter or more left to claim
+    chunk = std::max<int64_t>(1, (blocks - even) / (4 * threads));
+    next.store(even, std::memory_order_relaxed);
+  }
+  void round_input() const {  // what int8_linear does before its run, on the calling thread
+    if (p.q8)
+      I::quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), 0,
+                         p.rows);
+    else
+      I::quantize_rows(p, xq16, const_cast<float*>(p.xs), 0, p.rows);
+  }
+  void range(int64_t b0, int64_t b1) const {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o0 = b * p.block;
+      I::block(p, 0, p.rows, o0, std::min(p.block, p.out - o0));
+    }
+  }
+  // Thread tid of n: its even share, then claimed chunks until none are left.
+  void work(int64_t tid, int64_t n) {
+    range(even * tid / n, even * (tid + 1) / n);
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
+      range(b, std::min(blocks, b + chunk));
+  }
+  // The weight bytes of thread tid's even share (the lanes layouts: an output block is p.block * in contiguous bytes).
+  std::pair<const uint8_t*, const uint8_t*> share(int64_t tid, int64_t n) const {
+    const uint8_t* q = p.q8 ? p.q8 : reinterpret_cast<const uint8_t*>(p.q);
+    return {q + even * tid / n * p.block * p.in, q + even * (tid + 1) / n * p.block * p.in};
+  }
+};
+
+// What a waiting thread prefetches: the next lines of its share of the next linear, up to kAheadBytes.
+constexpr int64_t kAheadBytes = 1 << 20;
+struct Ahead {
+  const uint8_t *at = nullptr, *end = nullptr;
+  void aim(const TeamLinear& l, int64_t tid, int64_t n) {
+    auto [from, to] = l.share(tid, n);
+    at = from, end = std::min(to, from + kAheadBytes);
+  }
+  bool operator()() {
+    if (at >= end) return false;
+    __builtin_prefetch(at, 0, 2);
+    at += 64;
+    return true;
+  }
+};
+
+// The step's buffers between ops, allocated once a call before the team starts.
+struct Buffers {
+  std::vector<at::Tensor> keep;  // owns those below
+  float *h, *qkv, *q, *attn, *o, *gate_up, *act, *x, *res, *partials = nullptr;
+  int8_t* xq;  // a linear's input rounded (one set: each linear rounds its input just before it runs): lanes8's
+  float* xs;   // int8 per group, scales and offset terms; the lanes layout's int16 a row and a scale a row
+  int32_t* xc;
+  int16_t* xq16;
+};
+
+bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows, const Opt& out_rows) {
+#if defined(_OPENMP)
+  if (!team_on().load(std::memory_order_relaxed) || out_rows || at::get_num_threads() < 2 || at::in_parallel_region())
+    return false;
+  if (rows < 1 || rows >= I::gemm_min() || rows > I::amx_above().load(std::memory_order_relaxed)) return false;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t k : {kQkvQ, kOQ, kGateUpQ, kDownQ}) {
+      const Opt& q = w[l * kPerLayer + k];  // a lanes layout: lanes8 (uint8) or lanes (int8)
+      if (!q || q->dim() != 3 || (q->scalar_type() == at::kByte ? !I::kHasLanes8 : !I::kHasLanes)) return false;
+    }
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const at::TensorList caches,
+                       const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
+                       const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_of_token,
+                       const at::Tensor& key_len, int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
+                       double eps) {
+  auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& { return *w[layer * kPerLayer + k]; };
+  const int64_t layers = static_cast<int64_t>(caches.size()), rows = x_in.size(0), hidden = x_in.size(1);
+  F::check_float(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 2, "x: expected [T, hidden], got ", x_in.sizes());
+  F::check_float(cos, "cos");
+  F::check_float(sin, "sin");
+  TORCH_CHECK(caches[0].dim() == 4 && heads % kv_heads == 0, "cache: expected [2, slots, kv_heads, D], got ",
+              caches[0].sizes());
+  const at::Tensor& down_q = get(0, kDownQ);
+  const int64_t d = caches[0].size(3), inter = down_q.size(1) * down_q.size(2) / I::kLaneOuts;
+  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d, "cos/sin: expected [T, ", d, "]");
+  F::check_long(slots, "slots", rows);
+  F::check_long(seq_of_token, "seq_of_token", rows);
+  F::check_long(key_len, "key_len", rows);
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  const auto table_type = block_table.scalar_type();
+  TORCH_CHECK(block_table.dim() == 2 && (table_type == at::kInt || table_type == at::kLong),
+              "block_table: expected int32 or int64 [B, max_blocks], got ", block_table.sizes());
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const int64_t seqs = table.size(0), width = table.size(1);
+  const int64_t *tp = table.data_ptr<int64_t>(), *sp = seq_of_token.data_ptr<int64_t>(),
+                *lp = key_len.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
+  for (const at::Tensor& c : caches) {
+    F::check_float(c, "cache");
+    TORCH_CHECK(c.dim() == 4 && c.size(0) == 2 && c.size(2) == kv_heads && c.size(3) == d,
+                "cache: expected [2, slots, ", kv_heads, ", ", d, "], got ", c.sizes());
+  }
+  const int64_t num_slots = caches[0].size(1);
+  for (const at::Tensor& c : caches) TORCH_CHECK(c.size(1) == num_slots, "caches: unequal slot counts");
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range [0, ", num_slots, ")");
+  F::check_meta(rows, tp, sp, lp, seqs, width, block_size, num_slots / block_size);
+
+  const auto f32 = x_in.options();
+  Buffers s;
+  auto buf = [&](int64_t n, at::ScalarType type = at::kFloat) {
+    s.keep.push_back(at::empty({std::max<int64_t>(n, 1)}, f32.dtype(type)));
+    return s.keep.back().data_ptr();
+  };
+  const int64_t widest = std::max(hidden, inter), group = I::problem_of(x_in, get(0, kQkvQ), get(0, kQkvS),
+                                                                        w[kQkvB]).group;
+  s.h = static_cast<float*>(buf(rows * hidden));
+  s.qkv = static_cast<float*>(buf(rows * (heads + 2 * kv_heads) * d));
+  s.q = static_cast<float*>(buf(rows * heads * d));
+  s.attn = static_cast<float*>(buf(rows * heads * d));
+  s.o = static_cast<float*>(buf(rows * hidden));
+  s.gate_up = static_cast<float*>(buf(rows * 2 * inter));
+  s.act = static_cast<float*>(buf(rows * inter));
+  at::Tensor x_out = at::empty({rows, hidden}, f32);  // each layer's output (down's), then the final norm's
+  s.x = x_out.data_ptr<float>();
+  s.res = x_in.data_ptr<float>();  // the residual stream, in place in x as the per-op loop keeps it
+  s.xq = static_cast<int8_t*>(buf(rows * widest, at::kChar));
+  s.xs = static_cast<float*>(buf(rows * (widest / group + 1)));
+  s.xc = static_cast<int32_t*>(buf(rows * (widest / group + 1), at::kInt));
+  s.xq16 = static_cast<int16_t*>(buf(rows * widest, at::kShort));
+
+  // Each linear's problem, checked as its op checks it.
+  const int64_t threads = at::get_num_threads();
+  const at::Tensor h_in = at::from_blob(s.h, {rows, hidden}, f32);
+  const at::Tensor attn_in = at::from_blob(s.attn, {rows, heads * d}, f32);
+  const at::Tensor act_in = at::from_blob(s.act, {rows, inter}, f32);
+  std::vector<std::unique_ptr<TeamLinear>> lin;
+  auto linear = [&](const at::Tensor& x, float* y, int64_t l, int64_t kq, int64_t ks, const Opt& bias) {
+    auto t = std::make_unique<TeamLinear>();
+    t->p = I::problem_of(x, get(l, kq), get(l, ks), bias);
+    TORCH_CHECK(t->p.group == group && !t->p.amx && (t->p.q8 || t->p.lanes), "layer ", l,
+                ": not a lanes or lanes8 decode linear");
+    t->p.y = y;
+    if (t->p.q8)
+      t->p.x8 = s.xq, t->p.x8s = s.xs, t->p.x8c = s.xc;
+    else
+      t->xq16 = s.xq16, t->p.xq = s.xq16, t->p.xs = s.xs;
+    t->setup(threads);
+    lin.push_back(std::move(t));
+  };
+  std::vector<const float*> norm1(layers), norm2(layers);
+  std::vector<float*> kc(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    linear(h_in, s.qkv, l, kQkvQ, kQkvS, w[l * kPerLayer + kQkvB]);
+    TORCH_CHECK(lin.back()->p.out == (heads + 2 * kv_heads) * d, "layer ", l, ": qkv has ", lin.back()->p.out,
+                " outputs");
+    linear(attn_in, s.o, l, kOQ, kOS, w[l * kPerLayer + kOB]);
+    TORCH_CHECK(lin.back()->p.out == hidden, "layer ", l, ": o has ", lin.back()->p.out, " outputs");
+    linear(h_in, s.gate_up, l, kGateUpQ, kGateUpS, std::nullopt);
+    TORCH_CHECK(lin.back()->p.out == 2 * inter, "layer ", l, ": gate_up has ", lin.back()->p.out, " outputs");
+    linear(act_in, s.x, l, kDownQ, kDownS, std::nullopt);
+    TORCH_CHECK(lin.back()->p.out == hidden, "layer ", l, ": down has ", lin.back()->p.out, " outputs");
+    for (int64_t k : {kNorm1, kNorm2}) {
+      F::check_float(get(l, k), "norm weight");
+      TORCH_CHECK(get(l, k).numel() == hidden, "layer ", l, ": a norm's weight");
+    }
+    norm1[l] = get(l, kNorm1).data_ptr<float>(), norm2[l] = get(l, kNorm2).data_ptr<float>();
+    kc[l] = caches[l].data_ptr<float>();
+  }
+  F::check_float(final_norm, "final norm");
+  TORCH_CHECK(final_norm.numel() == hidden, "final norm: ", final_norm.numel(), " weights for ", hidden);
+
+  // The attention's plan (the same every layer), its partials, and each layer's counters.
+  F::AttnPlan plan;
+  F::plan_attention(plan, rows, sp, lp, seqs, width, block_size, heads, kv_heads, d, threads);
+  const int64_t n_pairs = static_cast<int64_t>(plan.pairs.size());
+  s.partials = plan.split ? static_cast<float*>(buf(static_cast<int64_t>(plan.items.size()) * plan.stride)) : nullptr;
+  std::vector<std::atomic<int64_t>> left(layers * n_pairs), next_item(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    if (plan.split) F::reset_left(plan, left.data() + l * n_pairs);
+    next_item[l].store(0, std::memory_order_relaxed);
+  }
+  const int64_t nv = d % 16 == 0 && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
+  const float *cp = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+
+  Barrier bar;
+  const float e = static_cast<float>(eps);
+  auto norm_rows = [&](const float* x, float* res, const float* weight, float* out) {
+    for (int64_t r = 0; r < rows; ++r)
+      F::norm_row(x + r * hidden, res ? res + r * hidden : nullptr, weight, out + r * hidden, hidden, e);
+  };
+#pragma omp parallel num_threads(threads)
+  {
+#if defined(_OPENMP)
+    const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+#pragma omp single
+    bar.n = n;  // the team the runtime gave (single's end is a barrier)
+#else
+    const int64_t tid = 0, n = 1;
+#endif
+    F::Scratch scratch(heads / kv_heads, d);
+    std::unique_ptr<F::LanesScratch> lanes_scratch;
+    Ahead ahead;
+    auto serial = [&](auto&& job) {  // thread 0 works; the others prefetch; all leave together
+      if (tid == 0) job();
+      bar.wait(ahead);
+    };
+    auto share = [&](TeamLinear& now, TeamLinear* following) {  // a linear, all threads
+      now.work(tid, n);
+      if (following)
+        ahead.aim(*following, tid, n);
+      else
+        ahead = {};
+      bar.wait(ahead);
+    };
+    ahead.aim(*lin[0], tid, n);
+    for (int64_t l = 0; l < layers; ++l) {
+      TeamLinear &qkv = *lin[4 * l], &o = *lin[4 * l + 1], &gate_up = *lin[4 * l + 2], &down = *lin[4 * l + 3];
+      TeamLinear* after = l + 1 < layers ? lin[4 * l + 4].get() : nullptr;
+      serial([&] {  // input norm (the residual stream takes the last layer's output), the input's rounding
+        norm_rows(l == 0 ? s.res : s.x, l == 0 ? nullptr : s.res, norm1[l], s.h);
+        qkv.round_input();
+      });
+      share(qkv, &o);
+      serial([&] {  // RoPE on q and k, k and v into the cache
+        const F::Rope r{s.qkv, cp, sn, s.q, kc[l], kc[l] + num_slots * kv_heads * d, slot, heads, kv_heads, d};
+        for (int64_t t = 0; t < rows; ++t)
+          for (int64_t h = 0; h < heads + kv_heads; ++h) F::rope_head(r, t, h);
+      });
+      {
+        const F::Attn a{s.q, kc[l], num_slots * kv_heads * d, s.attn, tp, sp, lp, width,
+                        heads, kv_heads, heads / kv_heads, d, block_size, nv, static_cast<float>(scale)};
+        F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
+        bar.wait(ahead);
+      }
+      serial([&] { o.round_input(); });
+      share(o, &gate_up);
+      serial([&] {  // the residual add and post-attention norm, its rounding
+        norm_rows(s.o, s.res, norm2[l], s.h);
+        gate_up.round_input();
+      });
+      share(gate_up, &down);
+      serial([&] {
+        for (int64_t r = 0; r < rows; ++r)
+          F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
+        down.round_input();
+      });
+      share(down, after);
+    }
+  }
+  norm_rows(s.x, s.res, final_norm.data_ptr<float>(), s.x);
+  return x_out;
+}
 
 // x [T, hidden] (the embeddings) through every layer and the final norm; the caches written at `slots`. With
 // out_rows (the rows the LM head reads: each prefill's last), the last layer computes only those rows past its
@@ -30,32 +341,26 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_of_token,
                          const at::Tensor& key_len, int64_t block_size, double scale, int64_t heads,
                          int64_t kv_heads, double eps, const Opt& out_rows) {
-  static const auto norm = op<at::Tensor(const at::Tensor&, const Opt&, const at::Tensor&, double)>(
-      "mvllm_fused::add_rms_norm");
-  static const auto rope = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, int64_t, int64_t)>("mvllm_fused::rope_store");
-  static const auto attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                              const at::Tensor&, const at::Tensor&, int64_t, double)>(
-      "mvllm_fused::paged_attention");
-  static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("mvllm_fused::silu_mul");
-  static const auto linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&)>(
-      "mvllm_int8::int8_linear");
   const int64_t layers = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer, "weights: expected ", kPerLayer,
-              " per layer for ", layers, " layers, got ", weights.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kPerLayer, "weights: expected ",
+              kPerLayer, " per layer for ", layers, " layers, got ", weights.size());
   const std::vector<Opt> w(weights.begin(), weights.end());
-  auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& {
-    const Opt& t = w[layer * kPerLayer + k];
-    TORCH_CHECK(t.has_value(), "layer ", layer, ": weight ", k, " is missing");
-    return *t;
-  };
+  for (int64_t i = 0; i < static_cast<int64_t>(w.size()); ++i)
+    TORCH_CHECK(w[i].has_value() || i % kPerLayer == kQkvB || i % kPerLayer == kOB, "layer ", i / kPerLayer,
+                ": weight ", i % kPerLayer, " is missing");
+  if (team_fits(w, layers, x_in.size(0), out_rows)) {
+    team_calls.fetch_add(1, std::memory_order_relaxed);
+    return team_layers(x_in, w, caches, final_norm, cos, sin, slots, block_table, seq_of_token, key_len, block_size,
+                       scale, heads, kv_heads, eps);
+  }
+  auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& { return *w[layer * kPerLayer + k]; };
   at::Tensor x = x_in;
   Opt residual;  // none before the first layer: the first norm's residual is x itself
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor h = norm.call(x, residual, get(l, kNorm1), eps);
+    const at::Tensor h = F::add_rms_norm(x, residual, get(l, kNorm1), eps);
     if (!residual) residual = x;
-    const at::Tensor qkv = linear.call(h, get(l, kQkvQ), get(l, kQkvS), w[l * kPerLayer + kQkvB]);
-    at::Tensor q = rope.call(qkv, cos, sin, caches[l], slots, heads, kv_heads);
+    const at::Tensor qkv = I::int8_linear(h, get(l, kQkvQ), get(l, kQkvS), w[l * kPerLayer + kQkvB]);
+    at::Tensor q = F::rope_store(qkv, cos, sin, caches[l], slots, heads, kv_heads);
     at::Tensor seq = seq_of_token, len = key_len;
     if (l == layers - 1 && out_rows) {  // past the last KV write only the returned rows count
       const at::Tensor& rows = *out_rows;
@@ -64,13 +369,19 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
       seq = seq.index_select(0, rows);
       len = len.index_select(0, rows);
     }
-    const at::Tensor out = attention.call(q, caches[l], block_table, seq, len, block_size, scale);
-    const at::Tensor o = linear.call(out, get(l, kOQ), get(l, kOS), w[l * kPerLayer + kOB]);
-    const at::Tensor h2 = norm.call(o, residual, get(l, kNorm2), eps);
-    const at::Tensor gate_up = linear.call(h2, get(l, kGateUpQ), get(l, kGateUpS), std::nullopt);
-    x = linear.call(silu_mul.call(gate_up), get(l, kDownQ), get(l, kDownS), std::nullopt);
+    const at::Tensor out = F::paged_attention(q, caches[l], block_table, seq, len, block_size, scale);
+    const at::Tensor o = I::int8_linear(out, get(l, kOQ), get(l, kOS), w[l * kPerLayer + kOB]);
+    const at::Tensor h2 = F::add_rms_norm(o, residual, get(l, kNorm2), eps);
+    const at::Tensor gate_up = I::int8_linear(h2, get(l, kGateUpQ), get(l, kGateUpS), std::nullopt);
+    x = I::int8_linear(F::silu_mul(gate_up), get(l, kDownQ), get(l, kDownS), std::nullopt);
   }
-  return norm.call(x, residual, final_norm, eps);
+  return F::add_rms_norm(x, residual, final_norm, eps);
+}
+
+// Same-process comparisons: "team" 0 or 1; the previous value back.
+int64_t knob(const std::string& name, int64_t value) {
+  TORCH_CHECK(name == "team", "layer loop knobs: team, got ", name);
+  return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
 }  // namespace
@@ -80,4 +391,6 @@ TORCH_LIBRARY(mvllm_layers, m) {
         " Tensor slots, Tensor block_table, Tensor seq_of_token, Tensor key_len, int block_size, float scale,"
         " int heads, int kv_heads, float eps, Tensor? out_rows=None) -> Tensor",
         &decode_layers);
+  m.def("knob(str name, int value) -> int", &knob);
+  m.def("team_calls() -> int", [] { return team_calls.load(); });
 }
