@@ -134,3 +134,34 @@ def test_greedy_tokens_in_one_team_match_a_region_an_op():
     if cpu_int8.layout() in ("lanes", "lanes8"):
         assert cpu_layers.team_calls() > calls
     assert team == per_op(run)
+
+
+def test_a_warm_prefill_in_one_team_matches_a_region_an_op():
+    """A warm prefill (12 new tokens after 40 cached) whose last layer computes only its last row: the layers before
+    it run in the team, the last one op by op; bitwise the per-op loop's, caches too."""
+    from mvllm.model.attention import build_meta
+
+    if cpu_int8.layout() not in ("lanes", "lanes8"):
+        pytest.skip(f"the team takes steps in the lanes layouts; here the kernel has {cpu_int8.layout()!r}")
+    e = engine("synthetic:tiny-llama")
+    seq = [(11 * k) % 500 + 1 for k in range(52)]
+    for cache in e.runner.caches:
+        cache.zero_()
+    hidden_rows(e, [(seq[:40], 0)])
+    before = [c.clone() for c in e.runner.caches]
+
+    def warm():
+        meta = build_meta([(40, 52)], [list(range(8))], e.config.block_size, torch.device("cpu"), e.runner.layout)
+        meta.out_rows = torch.tensor([11])
+        with torch.inference_mode():
+            return e.model(torch.tensor(seq[40:]), torch.arange(40, 52), e.runner.caches, meta).clone()
+
+    calls = cpu_layers.team_calls()
+    team = warm()
+    assert cpu_layers.team_calls() == calls + 1 and team.shape[0] == 1
+    team_cache = [c.clone() for c in e.runner.caches]
+    for cache, saved in zip(e.runner.caches, before):
+        cache.copy_(saved)
+    assert torch.equal(team, per_op(warm))
+    for t, o in zip(team_cache, e.runner.caches):
+        assert torch.equal(t, o)

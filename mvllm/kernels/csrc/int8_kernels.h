@@ -1076,13 +1076,18 @@ std::atomic<int64_t>& chunks_per_thread() {
   return n;
 }
 
+// The rows a pass over a block of weights applies (the rest of a call's rows in later passes; see run).
+int64_t row_tile(const Problem& p) {
+  const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
+  return p.xq    ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
+         : p.amx ? std::max<int64_t>(pair, kIntRowBytes / p.in / pair * pair)
+         : p.x8  ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
+                 : kRowTile;
+}
+
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
-  const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
-  const int64_t tile = p.xq    ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
-                       : p.amx ? std::max<int64_t>(pair, kIntRowBytes / p.in / pair * pair)
-                       : p.x8  ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
-                               : kRowTile;
+  const int64_t pair = 2 * kAmxRows, tile = row_tile(p);
   const int64_t grain = std::max<int64_t>(1, kGrainOuts / p.block);
   const int64_t threads = at::get_num_threads(), per = chunks_per_thread().load(std::memory_order_relaxed);
   const int64_t least = std::max(grain, kChunkBytes / std::max<int64_t>(1, p.block * p.in));  // blocks a chunk

@@ -2,15 +2,16 @@
 // fused and int8 kernels directly (fused_kernels.h, int8_kernels.h), so a step pays no Python and no dispatcher
 // between them (on the 2-vCPU machine, 6-7 ms of a 57-63 ms step was Python between the ops).
 //
-// Decode-sized steps (rows the lanes and lanes8 kernels take without AMX or GEMM blocks) run every layer in one team of
-// threads (one OpenMP region a step) instead of a region an op: thread 0 runs the small serial work (norms and the
-// activations' rounding, RoPE, SiLU), all threads share each linear and the attention, and they meet at spin
-// barriers. A linear's output blocks are mostly split evenly, the rest claimed in turn (a thread the host slows
-// takes fewer); a thread waiting at a barrier prefetches (into its L2) the start of its even share of the next
-// linear, so the memory works through the serial parts and the barriers. On the H200 machine's Xeon, outside torch,
-// this layout read a step's weights 9-20% faster than a region a linear (experiments/team_probe.cpp). Every result
-// is bitwise the per-op loop's: the same kernels on the same rows, the attention's items planned as its op plans
-// them. MVLLM_TEAM=0 (knob "team" 0) keeps the region an op, for same-process comparisons.
+// Steps of up to kTeamRows tokens (decode, a warm prefill) whose linears are in the lanes layouts run their layers
+// in one team of threads (one OpenMP region a step) instead of a region an op: the threads split the small work
+// (norms and the activations' rounding, RoPE, SiLU) by rows, share each linear and the attention, and meet at spin
+// barriers. With out_rows the last layer, which computes only those rows past its KV write, runs op by op. A
+// linear's output blocks are mostly split evenly, the rest claimed in turn (a thread the host slows takes fewer); a
+// thread waiting at a barrier prefetches (into its L2) the start of its even share of the next linear, so the memory
+// works through the small work and the barriers. On the H200 machine's Xeon a decode step took 0.76-0.84x the time
+// of a region an op, same process (results/profile/README.md). Every result is bitwise the per-op loop's: the same
+// kernels on the same rows, the attention's items planned as its op plans them. MVLLM_TEAM=0 (knob "team" 0) keeps
+// a region an op, for same-process comparisons.
 
 #include "fused_kernels.h"
 #include "int8_kernels.h"
@@ -34,6 +35,7 @@ namespace F = mvllm::fused;
 namespace I = mvllm::int8;
 using Opt = std::optional<at::Tensor>;
 
+constexpr int64_t kTeamRows = 64;  // the most tokens a team step takes (above, a call's own regions cut its rows)
 constexpr int64_t kPerLayer = 12;  // the weights of a layer, in this order (kernels/cpu_layers.py packs them)
 enum : int64_t { kNorm1, kQkvQ, kQkvS, kQkvB, kOQ, kOS, kOB, kNorm2, kGateUpQ, kGateUpS, kDownQ, kDownS };
 
@@ -81,24 +83,28 @@ struct TeamLinear {
     chunk = std::max<int64_t>(1, (blocks - even) / (4 * threads));
     next.store(even, std::memory_order_relaxed);
   }
-  void round_input() const {  // what int8_linear does before its run, on the calling thread
+  void round_input(int64_t r0, int64_t r1) const {  // rows [r0, r1) as int8_linear rounds them before its run
     if (p.q8)
-      I::quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), 0,
-                         p.rows);
+      I::quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), r0,
+                         r1);
     else
-      I::quantize_rows(p, xq16, const_cast<float*>(p.xs), 0, p.rows);
+      I::quantize_rows(p, xq16, const_cast<float*>(p.xs), r0, r1);
   }
-  void range(int64_t b0, int64_t b1) const {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t o0 = b * p.block;
-      I::block(p, 0, p.rows, o0, std::min(p.block, p.out - o0));
-    }
+  void range(int64_t b0, int64_t b1) const {  // every row, a row tile a pass, as run's units
+    const int64_t tile = I::row_tile(p);
+    for (int64_t r = 0; r < p.rows; r += tile)
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t o0 = b * p.block;
+        I::block(p, r, std::min(tile, p.rows - r), o0, std::min(p.block, p.out - o0));
+      }
   }
   // Thread tid of n: its even share, then claimed chunks until none are left.
   void work(int64_t tid, int64_t n) {
+    if (p.amx) I::amx_begin(p.group);  // the tile configuration is each thread's own
     range(even * tid / n, even * (tid + 1) / n);
     for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
       range(b, std::min(blocks, b + chunk));
+    if (p.amx) I::amx_end();
   }
   // The weight bytes of thread tid's even share (the lanes layouts: an output block is p.block * in contiguous bytes).
   std::pair<const uint8_t*, const uint8_t*> share(int64_t tid, int64_t n) const {
@@ -133,11 +139,11 @@ struct Buffers {
   int16_t* xq16;
 };
 
-bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows, const Opt& out_rows) {
+bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows) {
 #if defined(_OPENMP)
-  if (!team_on().load(std::memory_order_relaxed) || out_rows || at::get_num_threads() < 2 || at::in_parallel_region())
+  if (!team_on().load(std::memory_order_relaxed) || at::get_num_threads() < 2 || at::in_parallel_region())
     return false;
-  if (rows < 1 || rows >= I::gemm_min() || rows > I::amx_above().load(std::memory_order_relaxed)) return false;
+  if (rows < 1 || rows > kTeamRows) return false;
   for (int64_t l = 0; l < layers; ++l)
     for (int64_t k : {kQkvQ, kOQ, kGateUpQ, kDownQ}) {
       const Opt& q = w[l * kPerLayer + k];  // a lanes layout: lanes8 (uint8) or lanes (int8)
@@ -149,13 +155,14 @@ bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows, const Op
 #endif
 }
 
+// Layers [0, layers) in one team: x_in (the embeddings) becomes the residual stream, as in the per-op loop, and the
+// last layer's output (its down projection's) is returned, before its residual add.
 at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const at::TensorList caches,
-                       const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
-                       const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_of_token,
-                       const at::Tensor& key_len, int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
-                       double eps) {
+                       int64_t layers, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                       const at::Tensor& block_table, const at::Tensor& seq_of_token, const at::Tensor& key_len,
+                       int64_t block_size, double scale, int64_t heads, int64_t kv_heads, double eps) {
   auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& { return *w[layer * kPerLayer + k]; };
-  const int64_t layers = static_cast<int64_t>(caches.size()), rows = x_in.size(0), hidden = x_in.size(1);
+  const int64_t rows = x_in.size(0), hidden = x_in.size(1);
   F::check_float(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "x: expected [T, hidden], got ", x_in.sizes());
   F::check_float(cos, "cos");
@@ -202,7 +209,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   s.o = static_cast<float*>(buf(rows * hidden));
   s.gate_up = static_cast<float*>(buf(rows * 2 * inter));
   s.act = static_cast<float*>(buf(rows * inter));
-  at::Tensor x_out = at::empty({rows, hidden}, f32);  // each layer's output (down's), then the final norm's
+  at::Tensor x_out = at::empty({rows, hidden}, f32);  // each layer's output (down's)
   s.x = x_out.data_ptr<float>();
   s.res = x_in.data_ptr<float>();  // the residual stream, in place in x as the per-op loop keeps it
   s.xq = static_cast<int8_t*>(buf(rows * widest, at::kChar));
@@ -219,8 +226,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   auto linear = [&](const at::Tensor& x, float* y, int64_t l, int64_t kq, int64_t ks, const Opt& bias) {
     auto t = std::make_unique<TeamLinear>();
     t->p = I::problem_of(x, get(l, kq), get(l, ks), bias);
-    TORCH_CHECK(t->p.group == group && !t->p.amx && (t->p.q8 || t->p.lanes), "layer ", l,
-                ": not a lanes or lanes8 decode linear");
+    TORCH_CHECK(t->p.group == group && (t->p.q8 || t->p.lanes), "layer ", l, ": not in a lanes layout");
     t->p.y = y;
     if (t->p.q8)
       t->p.x8 = s.xq, t->p.x8s = s.xs, t->p.x8c = s.xc;
@@ -248,8 +254,6 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     norm1[l] = get(l, kNorm1).data_ptr<float>(), norm2[l] = get(l, kNorm2).data_ptr<float>();
     kc[l] = caches[l].data_ptr<float>();
   }
-  F::check_float(final_norm, "final norm");
-  TORCH_CHECK(final_norm.numel() == hidden, "final norm: ", final_norm.numel(), " weights for ", hidden);
 
   // The attention's plan (the same every layer), its partials, and each layer's counters.
   F::AttnPlan plan;
@@ -266,8 +270,8 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
 
   Barrier bar;
   const float e = static_cast<float>(eps);
-  auto norm_rows = [&](const float* x, float* res, const float* weight, float* out) {
-    for (int64_t r = 0; r < rows; ++r)
+  auto norm_rows = [&](const float* x, float* res, const float* weight, float* out, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
       F::norm_row(x + r * hidden, res ? res + r * hidden : nullptr, weight, out + r * hidden, hidden, e);
   };
 #pragma omp parallel num_threads(threads)
@@ -282,8 +286,9 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     F::Scratch scratch(heads / kv_heads, d);
     std::unique_ptr<F::LanesScratch> lanes_scratch;
     Ahead ahead;
-    auto serial = [&](auto&& job) {  // thread 0 works; the others prefetch; all leave together
-      if (tid == 0) job();
+    auto by_rows = [&](auto&& job) {  // the small work, split by rows (one thread at a row); the others prefetch
+      const int64_t r0 = rows * tid / n, r1 = rows * (tid + 1) / n;
+      if (r0 < r1) job(r0, r1);
       bar.wait(ahead);
     };
     auto share = [&](TeamLinear& now, TeamLinear* following) {  // a linear, all threads
@@ -298,14 +303,14 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     for (int64_t l = 0; l < layers; ++l) {
       TeamLinear &qkv = *lin[4 * l], &o = *lin[4 * l + 1], &gate_up = *lin[4 * l + 2], &down = *lin[4 * l + 3];
       TeamLinear* after = l + 1 < layers ? lin[4 * l + 4].get() : nullptr;
-      serial([&] {  // input norm (the residual stream takes the last layer's output), the input's rounding
-        norm_rows(l == 0 ? s.res : s.x, l == 0 ? nullptr : s.res, norm1[l], s.h);
-        qkv.round_input();
+      by_rows([&](int64_t r0, int64_t r1) {  // input norm (the residual stream takes the last layer's output)
+        norm_rows(l == 0 ? s.res : s.x, l == 0 ? nullptr : s.res, norm1[l], s.h, r0, r1);
+        qkv.round_input(r0, r1);
       });
       share(qkv, &o);
-      serial([&] {  // RoPE on q and k, k and v into the cache
+      by_rows([&](int64_t r0, int64_t r1) {  // RoPE on q and k, k and v into the cache
         const F::Rope r{s.qkv, cp, sn, s.q, kc[l], kc[l] + num_slots * kv_heads * d, slot, heads, kv_heads, d};
-        for (int64_t t = 0; t < rows; ++t)
+        for (int64_t t = r0; t < r1; ++t)
           for (int64_t h = 0; h < heads + kv_heads; ++h) F::rope_head(r, t, h);
       });
       {
@@ -314,22 +319,21 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
         F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
         bar.wait(ahead);
       }
-      serial([&] { o.round_input(); });
+      by_rows([&](int64_t r0, int64_t r1) { o.round_input(r0, r1); });
       share(o, &gate_up);
-      serial([&] {  // the residual add and post-attention norm, its rounding
-        norm_rows(s.o, s.res, norm2[l], s.h);
-        gate_up.round_input();
+      by_rows([&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
+        norm_rows(s.o, s.res, norm2[l], s.h, r0, r1);
+        gate_up.round_input(r0, r1);
       });
       share(gate_up, &down);
-      serial([&] {
-        for (int64_t r = 0; r < rows; ++r)
+      by_rows([&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
           F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
-        down.round_input();
+        down.round_input(r0, r1);
       });
       share(down, after);
     }
   }
-  norm_rows(s.x, s.res, final_norm.data_ptr<float>(), s.x);
   return x_out;
 }
 
@@ -348,15 +352,18 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   for (int64_t i = 0; i < static_cast<int64_t>(w.size()); ++i)
     TORCH_CHECK(w[i].has_value() || i % kPerLayer == kQkvB || i % kPerLayer == kOB, "layer ", i / kPerLayer,
                 ": weight ", i % kPerLayer, " is missing");
-  if (team_fits(w, layers, x_in.size(0), out_rows)) {
-    team_calls.fetch_add(1, std::memory_order_relaxed);
-    return team_layers(x_in, w, caches, final_norm, cos, sin, slots, block_table, seq_of_token, key_len, block_size,
-                       scale, heads, kv_heads, eps);
-  }
   auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& { return *w[layer * kPerLayer + k]; };
   at::Tensor x = x_in;
   Opt residual;  // none before the first layer: the first norm's residual is x itself
-  for (int64_t l = 0; l < layers; ++l) {
+  int64_t first = 0;  // the first layer run op by op
+  const int64_t team = out_rows ? layers - 1 : layers;  // a last layer that trims its rows runs op by op
+  if (team > 0 && team_fits(w, team, x_in.size(0))) {
+    team_calls.fetch_add(1, std::memory_order_relaxed);
+    x = team_layers(x_in, w, caches, team, cos, sin, slots, block_table, seq_of_token, key_len, block_size, scale,
+                    heads, kv_heads, eps);
+    residual = x_in, first = team;
+  }
+  for (int64_t l = first; l < layers; ++l) {
     const at::Tensor h = F::add_rms_norm(x, residual, get(l, kNorm1), eps);
     if (!residual) residual = x;
     const at::Tensor qkv = I::int8_linear(h, get(l, kQkvQ), get(l, kQkvS), w[l * kPerLayer + kQkvB]);
