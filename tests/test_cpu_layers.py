@@ -69,14 +69,19 @@ def test_prefill_above_the_kernel_rows_takes_the_python_loop():
     assert engine("synthetic:tiny-qwen2", invariant=True).model.cpu_layers.serves(500)
 
 
+def greedy(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    e = engine(model)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [e.add_request(p, params) for p in prompts]
+    while e.has_unfinished():
+        e.step()
+    return [s.output_ids for s in seqs]
+
+
 def test_greedy_tokens_match_the_python_loop():
     def run():
-        e = engine("synthetic:tiny-qwen2")
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        seqs = [e.add_request([(7 * r + 3 * k) % 500 + 1 for k in range(5 + 11 * r)], params) for r in range(3)]
-        while e.has_unfinished():
-            e.step()
-        return [s.output_ids for s in seqs]
+        return greedy("synthetic:tiny-qwen2", [[(7 * r + 3 * k) % 500 + 1 for k in range(5 + 11 * r)]
+                                               for r in range(3)], 24)
 
     assert run() == python_loop(run)
 
@@ -122,12 +127,8 @@ def test_decode_in_one_team_matches_a_region_an_op(model, threads):
 
 def test_greedy_tokens_in_one_team_match_a_region_an_op():
     def run():
-        e = engine("synthetic:tiny-llama")
-        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        seqs = [e.add_request([(5 * r + 2 * k) % 500 + 1 for k in range(3 + 30 * r)], params) for r in range(4)]
-        while e.has_unfinished():
-            e.step()
-        return [s.output_ids for s in seqs]
+        return greedy("synthetic:tiny-llama", [[(5 * r + 2 * k) % 500 + 1 for k in range(3 + 30 * r)]
+                                               for r in range(4)], 40)
 
     calls = cpu_layers.team_calls()
     team = run()
