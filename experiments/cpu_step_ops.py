@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="time warm prefills (20 new after 496 cached), not decode")
     ap.add_argument("--batch-invariant", action="store_true", help="int8w: batch_invariant=on (the kernel at any rows)")
     ap.add_argument("--split", action="store_true", help="time the step's phases without the profiler")
-    ap.add_argument("--knobs", help="int8 knob settings to time in turn, comma-separated (see above)")
+    ap.add_argument("--knobs", help="int8 or layer-loop knob settings to time in turn, comma-separated (see above)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out")
     a = ap.parse_args()

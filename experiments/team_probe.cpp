@@ -4,12 +4,15 @@
 // with a serial gap of G us on thread 0 after each linear (the norms, RoPE, attention, allocations and dispatcher
 // calls a real step runs between its linears: 75-120 us a layer at 16 threads on the H200 machine's Xeon).
 //   fork   one OpenMP region a linear, the gap between regions (today's layout: at::parallel_for per op)
-//   team   one region a step, the threads meeting at spin barriers: after each linear, and after the gap
+//   team   one region a step, the threads meeting at spin barriers (the layer loop's, csrc/barrier.h): after each
+//          linear, and after the gap
 //   team+prefetch   as team, but the threads waiting out the gap prefetch (into L2) the start of their slice of
 //          the next linear, checking between cache lines whether the gap is over (the memory works through the gap)
 // Prints each layout's median step in ms and the weights' rate, beside a plain read of the same bytes (no gaps).
 //   g++ -O3 -march=native -fopenmp -o /tmp/team_probe experiments/team_probe.cpp
 //   /tmp/team_probe THREADS GAPS_US STEPS           e.g. /tmp/team_probe 8,16 0,20 30
+#include "../mvllm/kernels/csrc/barrier.h"
+
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -42,12 +45,6 @@ struct Linear {
   int64_t lines;
 };
 
-void pause() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
-}
-
 uint64_t read_lines(const u64x8* p, int64_t begin, int64_t end) {
   u64x8 a = {}, b = {};
   int64_t i = begin;
@@ -68,25 +65,6 @@ void spin_us(double us) {
   while (Clock::now() < end) {}
 }
 
-// Sense-reversing central barrier; wait() runs `idle` between polls while the others have not all arrived.
-struct Barrier {
-  alignas(64) std::atomic<int64_t> count{0};
-  alignas(64) std::atomic<int64_t> gen{0};
-  int64_t n = 1;
-  template <class Idle>
-  void wait(Idle idle) {
-    const int64_t g = gen.load(std::memory_order_acquire);
-    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      count.store(0, std::memory_order_relaxed);
-      gen.store(g + 1, std::memory_order_release);
-      return;
-    }
-    while (gen.load(std::memory_order_acquire) == g)
-      if (!idle()) pause();
-  }
-  void wait() { wait([] { return false; }); }
-};
-
 constexpr int64_t kPrefetchLines = 4096;  // 256 KB of a thread's next slice at most
 
 double step_ms(const std::vector<Linear>& ls, int n, double gap, int mode, uint64_t* sink) {
@@ -99,7 +77,7 @@ double step_ms(const std::vector<Linear>& ls, int n, double gap, int mode, uint6
       spin_us(gap);
     }
   } else {
-    Barrier b;
+    mvllm::Barrier b;
     b.n = n;
 #pragma omp parallel num_threads(n) reduction(^ : s)
     {

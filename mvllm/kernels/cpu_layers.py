@@ -1,9 +1,10 @@
 """The int8w decoder's layer loop in C++ (csrc/layers.cpp): the same fused and int8 kernels as
 model/cpu_forward.py's Python loop, in the same order, called directly, so a decode step pays no Python and no
-dispatcher between its ~220 ops. Decode-sized steps run every layer in one team of threads that meet at spin
-barriers (one OpenMP region a step, not one an op), the waiting threads prefetching their share of the next
-linear's weights; `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python
-loop either way (tests/test_cpu_layers.py).
+dispatcher between its ~220 ops. Steps of up to 64 tokens in the lanes layouts (decode, a warm prefill) run their
+layers in one team of threads that meet at spin barriers (one OpenMP region a step, not one an op), the waiting
+threads prefetching their share of the next linear's weights; a last layer that trims its rows (out_rows) runs op
+by op. `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either
+way (tests/test_cpu_layers.py).
 
 `Layers.of(model)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs them for
 batches of at most `max_rows` tokens, the smallest `kernel_rows` of the model's int8 linears (above it an
@@ -75,12 +76,12 @@ class Layers:
 
 def knob(name: str, value: int) -> int:
     """Set the layer loop's knob in this process, for same-process comparisons; the previous value back. "team":
-    1 runs decode-sized steps in one team of threads (MVLLM_TEAM, default 1), 0 a region an op."""
+    1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op."""
     if not available():
         raise RuntimeError(f"no C++ layer loop here: {why_unavailable}")
     return torch.ops.mvllm_layers.knob(name, value)
 
 
 def team_calls() -> int:
-    """Steps this process ran in one team of threads (the path a decode-sized step takes)."""
+    """Steps this process ran (wholly, or but their last layer) in one team of threads."""
     return torch.ops.mvllm_layers.team_calls() if available() else 0

@@ -268,18 +268,13 @@ void rope_head(const Rope& r, int64_t t, int64_t h) {
   }
 }
 
-at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
-                      const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
-  check_float(qkv, "qkv");
+// Checks RoPE's inputs for t_count tokens of head size d: cos and sin [T, D], a cache [2, slots, kv_heads, D] and
+// each token's slot in it.
+void check_rope(int64_t t_count, int64_t d, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
+                const at::Tensor& slots, int64_t kv_heads) {
   check_float(cos, "cos");
   check_float(sin, "sin");
   check_float(cache, "cache");
-  TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
-  const int64_t per_token = heads + 2 * kv_heads;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % per_token == 0, "qkv: expected [T, (heads + 2 * kv_heads) * D], got ",
-              qkv.sizes());
-  const int64_t t_count = qkv.size(0), d = qkv.size(1) / per_token;
-  TORCH_CHECK(d % 2 == 0, "head_dim must be even, got ", d);
   TORCH_CHECK(cos.numel() == t_count * d && sin.numel() == t_count * d, "cos/sin: expected [T, D] = [", t_count, ", ",
               d, "], got ", cos.sizes(), " and ", sin.sizes());
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.size(2) == kv_heads && cache.size(3) == d,
@@ -289,6 +284,20 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < t_count; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range [0, ", num_slots, ")");
+}
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
+                      const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  check_float(qkv, "qkv");
+  TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
+  const int64_t per_token = heads + 2 * kv_heads;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % per_token == 0, "qkv: expected [T, (heads + 2 * kv_heads) * D], got ",
+              qkv.sizes());
+  const int64_t t_count = qkv.size(0), d = qkv.size(1) / per_token;
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even, got ", d);
+  check_rope(t_count, d, cos, sin, cache, slots, kv_heads);
+  const int64_t num_slots = cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
   at::Tensor q = at::empty({t_count, heads, d}, qkv.options());
   const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kc = cache.data_ptr<float>(), *vc = kc + num_slots * kv_heads * d;
@@ -725,9 +734,27 @@ int64_t attention_knob(const std::string& name, int64_t value) {
   return old;
 }
 
-// Checks a call's metadata (every token's sequence and key count, and the block table's entries those reach).
-void check_meta(int64_t t_count, const int64_t* tp, const int64_t* sp, const int64_t* lp, int64_t rows, int64_t width,
-                int64_t block_size, int64_t blocks) {
+// A call's attention metadata, checked (every token's sequence and key count, and the block table's entries those
+// reach): the block table as int64 [rows, width], each token's sequence sp and key count lp.
+struct AttnMeta {
+  at::Tensor table;
+  const int64_t *tp, *sp, *lp;
+  int64_t rows, width;
+};
+
+AttnMeta attn_meta(const at::Tensor& block_table, const at::Tensor& seq_of_token, const at::Tensor& key_len,
+                   int64_t t_count, int64_t block_size, int64_t num_slots) {
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  const auto table_type = block_table.scalar_type();
+  TORCH_CHECK(block_table.dim() == 2 && (table_type == at::kInt || table_type == at::kLong),
+              "block_table: expected int32 or int64 [B, max_blocks], got ", block_table.scalar_type(), " ",
+              block_table.sizes());
+  check_long(seq_of_token, "seq_of_token", t_count);
+  check_long(key_len, "key_len", t_count);
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const AttnMeta m{table, table.data_ptr<int64_t>(), seq_of_token.data_ptr<int64_t>(), key_len.data_ptr<int64_t>(),
+                   table.size(0), table.size(1)};
+  const int64_t *tp = m.tp, *sp = m.sp, *lp = m.lp, rows = m.rows, width = m.width, blocks = num_slots / block_size;
   std::vector<int64_t> longest(rows, 0);
   for (int64_t t = 0; t < t_count; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "seq_of_token[", t, "] = ", sp[t], " out of range [0, ", rows, ")");
@@ -739,6 +766,15 @@ void check_meta(int64_t t_count, const int64_t* tp, const int64_t* sp, const int
     for (int64_t i = 0; i < (longest[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < blocks, "block_table[", b, ", ", i, "] = ",
                   tp[b * width + i], " out of range [0, ", blocks, ")");
+  return m;
+}
+
+// The attention of a layer: q [T, heads, D] against a cache of num_slots slots (its K half at k), into out.
+Attn attn_of(const float* q, const float* k, int64_t num_slots, float* out, const AttnMeta& m, int64_t heads,
+             int64_t kv, int64_t d, int64_t block_size, double scale) {
+  const int64_t nv = d % 16 == 0 && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
+  return {q, k, num_slots * kv * d, out, m.tp, m.sp, m.lp, m.width, heads, kv, heads / kv, d, block_size, nv,
+          static_cast<float>(scale)};
 }
 
 // A call's attention work, the same for every layer of a step: its pairs of rows, their keys cut into items, and
@@ -757,10 +793,10 @@ struct AttnPlan {
   AttnPlan& operator=(const AttnPlan&) = delete;
 };
 
-// Plans the attention of t_count tokens (seq sp, key counts lp over `rows` sequences) for `threads` threads.
-void plan_attention(AttnPlan& plan, int64_t t_count, const int64_t* sp, const int64_t* lp, int64_t rows,
-                    int64_t width, int64_t block_size, int64_t heads, int64_t kv, int64_t d, int64_t threads) {
-  const int64_t g = heads / kv;
+// Plans the attention of t_count tokens (m: each token's sequence and key count) for `threads` threads.
+void plan_attention(AttnPlan& plan, int64_t t_count, const AttnMeta& m, int64_t block_size, int64_t heads, int64_t kv,
+                    int64_t d, int64_t threads) {
+  const int64_t *sp = m.sp, *lp = m.lp, rows = m.rows, width = m.width, g = heads / kv;
   std::vector<int64_t> longest(rows, 0);
   int64_t total = 0;
   for (int64_t t = 0; t < t_count; ++t) longest[sp[t]] = std::max(longest[sp[t]], lp[t]), total += lp[t];
@@ -872,26 +908,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
               "cache: expected [2, slots, kv_heads, ", d, "], got ", cache.sizes());
   const int64_t kv = cache.size(2), num_slots = cache.size(1);
   TORCH_CHECK(kv > 0 && heads % kv == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv, ")");
-  TORCH_CHECK(block_size > 0, "block_size must be positive");
-  const auto table_type = block_table.scalar_type();
-  TORCH_CHECK(block_table.dim() == 2 && (table_type == at::kInt || table_type == at::kLong),
-              "block_table: expected int32 or int64 [B, max_blocks], got ", block_table.scalar_type(), " ",
-              block_table.sizes());
-  check_long(seq_of_token, "seq_of_token", t_count);
-  check_long(key_len, "key_len", t_count);
-  const at::Tensor table = block_table.to(at::kLong).contiguous();
-  const int64_t rows = table.size(0), width = table.size(1), blocks = num_slots / block_size;
-  const int64_t *tp = table.data_ptr<int64_t>(), *sp = seq_of_token.data_ptr<int64_t>(),
-                *lp = key_len.data_ptr<int64_t>();
-  check_meta(t_count, tp, sp, lp, rows, width, block_size, blocks);
-
-  const int64_t g = heads / kv;
+  const AttnMeta m = attn_meta(block_table, seq_of_token, key_len, t_count, block_size, num_slots);
   at::Tensor out = at::empty({t_count, heads * d}, q.options());
-  const int64_t nv = d % 16 == 0 && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
-  const Attn a{q.data_ptr<float>(), cache.data_ptr<float>(), num_slots * kv * d, out.data_ptr<float>(), tp, sp, lp,
-               width, heads, kv, g, d, block_size, nv, static_cast<float>(scale)};
+  const Attn a = attn_of(q.data_ptr<float>(), cache.data_ptr<float>(), num_slots, out.data_ptr<float>(), m, heads, kv,
+                         d, block_size, scale);
   AttnPlan plan;
-  plan_attention(plan, t_count, sp, lp, rows, width, block_size, heads, kv, d, at::get_num_threads());
+  plan_attention(plan, t_count, m, block_size, heads, kv, d, at::get_num_threads());
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
   at::Tensor partials = plan.split ? at::empty({n_items, plan.stride}, q.options()) : at::Tensor();
   float* pp = plan.split ? partials.data_ptr<float>() : nullptr;
@@ -899,7 +921,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   if (plan.split) reset_left(plan, left.data());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, plan.workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(g, d);
+    Scratch scratch(heads / kv, d);
     std::unique_ptr<LanesScratch> lanes_scratch;
     run_items(a, plan, pp, left.data(), next, scratch, lanes_scratch);
   });

@@ -1085,6 +1085,15 @@ int64_t row_tile(const Problem& p) {
                  : kRowTile;
 }
 
+// Rows [r0, r1) in bands of `band` rows x output blocks [b0, b1): one of run's units of work.
+void bands_by_blocks(const Problem& p, int64_t r0, int64_t r1, int64_t band, int64_t b0, int64_t b1) {
+  for (int64_t r = r0; r < r1; r += band)
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
+      block(p, r, std::min(band, r1 - r), o0, outs);
+    }
+}
+
 void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
   const int64_t pair = 2 * kAmxRows, tile = row_tile(p);
@@ -1105,11 +1114,7 @@ void run(const Problem& p) {
     band = std::max(floor_rows, (band / 2 + step - 1) / step * step);
   const int64_t bands = banded ? bands_of(band) : 1, unit_rows = banded ? band : p.rows;
   auto unit = [&](int64_t r0, int64_t begin, int64_t end) {  // rows [r0, r0 + unit_rows) in bands
-    for (int64_t r = r0; r < std::min(p.rows, r0 + unit_rows); r += band)
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t o0 = b * p.block, outs = std::min(p.block, p.out - o0);
-        block(p, r, std::min(band, p.rows - r), o0, outs);
-      }
+    bands_by_blocks(p, r0, std::min(p.rows, r0 + unit_rows), band, begin, end);
   };
   if (per == 0 || threads == 1 || n_chunks * bands <= threads) {  // too few to share out unevenly: one range each
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -1190,31 +1195,36 @@ Problem problem_of(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return p;
 }
 
+// Whether the call's path reads x rounded to int16 a row (the lanes layout, the int16 path) into p.xq and p.xs; lanes8
+// (p.q8) reads it rounded to int8 per group into p.x8, p.x8s and p.x8c; the float paths read x itself.
+bool int16_input(const Problem& p) { return !p.q8 && (p.lanes || int16_rows(p.group)); }
+
+// Rows [r0, r1) of x rounded into the buffers p's path reads (set by the caller, which owns them).
+void round_rows(const Problem& p, int64_t r0, int64_t r1) {
+  if (p.q8)
+    quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), r0, r1);
+  else if (int16_input(p))
+    quantize_rows(p, const_cast<int16_t*>(p.xq), const_cast<float*>(p.xs), r0, r1);
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
   Problem p = problem_of(x, q, scales, bias);
   const int64_t rows = p.rows, in = p.in, groups = p.groups();
-  const bool quads = p.q8 != nullptr, packed = quads || p.lanes;
   at::Tensor y = at::empty({rows, p.out}, x.options());
   p.y = y.data_ptr<float>();
   at::Tensor xq, xs, xc;
-  if (quads) {
+  if (p.q8) {
     xq = at::empty({rows, in}, x.options().dtype(at::kChar));
     xs = at::empty({rows, groups}, x.options());
     xc = at::empty({rows, groups}, x.options().dtype(at::kInt));
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      quantize_groups(p, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xc.data_ptr<int32_t>(), begin, end);
-    });
     p.x8 = xq.data_ptr<int8_t>(), p.x8s = xs.data_ptr<float>(), p.x8c = xc.data_ptr<int32_t>();
-  } else if (packed || int16_rows(p.group)) {
+  } else if (int16_input(p)) {
     xq = at::empty({rows, in}, x.options().dtype(at::kShort));
     xs = at::empty({rows}, x.options());
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      quantize_rows(p, xq.data_ptr<int16_t>(), xs.data_ptr<float>(), begin, end);
-    });
-    p.xq = xq.data_ptr<int16_t>();
-    p.xs = xs.data_ptr<float>();
+    p.xq = xq.data_ptr<int16_t>(), p.xs = xs.data_ptr<float>();
   }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { round_rows(p, begin, end); });
   run(p);
   return y;
 }

@@ -13,6 +13,7 @@
 // kernels on the same rows, the attention's items planned as its op plans them. MVLLM_TEAM=0 (knob "team" 0) keeps
 // a region an op, for same-process comparisons.
 
+#include "barrier.h"
 #include "fused_kernels.h"
 #include "int8_kernels.h"
 
@@ -45,35 +46,10 @@ std::atomic<int64_t>& team_on() {
 }
 std::atomic<int64_t> team_calls{0};  // calls the team ran (tests ask which path a step took)
 
-// ---- the team's barrier ----
-
-// Sense-reversing central barrier of n threads; a thread that waits runs idle() between polls (false: nothing to do).
-struct Barrier {
-  alignas(64) std::atomic<int64_t> count{0};
-  alignas(64) std::atomic<int64_t> gen{0};
-  int64_t n = 1;
-  template <class Idle>
-  void wait(Idle&& idle) {
-    const int64_t g = gen.load(std::memory_order_acquire);
-    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      count.store(0, std::memory_order_relaxed);
-      gen.store(g + 1, std::memory_order_release);
-      return;
-    }
-    while (gen.load(std::memory_order_acquire) == g)
-      if (!idle()) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-      }
-  }
-};
-
 // A linear of the team: its problem (x, y and the activations' rounding set to the step's buffers), the output
 // blocks split evenly among the threads (the first `even` of them) and the rest claimed in turn.
 struct TeamLinear {
   I::Problem p;
-  int16_t* xq16 = nullptr;  // the lanes layout's rounding of x (int16 a row); lanes8's is p.x8, p.x8s, p.x8c
   int64_t blocks = 0, even = 0, chunk = 1;
   std::atomic<int64_t> next{0};  // the claimed blocks past `even`
 
@@ -83,21 +59,7 @@ struct TeamLinear {
     chunk = std::max<int64_t>(1, (blocks - even) / (4 * threads));
     next.store(even, std::memory_order_relaxed);
   }
-  void round_input(int64_t r0, int64_t r1) const {  // rows [r0, r1) as int8_linear rounds them before its run
-    if (p.q8)
-      I::quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), r0,
-                         r1);
-    else
-      I::quantize_rows(p, xq16, const_cast<float*>(p.xs), r0, r1);
-  }
-  void range(int64_t b0, int64_t b1) const {  // every row, a row tile a pass, as run's units
-    const int64_t tile = I::row_tile(p);
-    for (int64_t r = 0; r < p.rows; r += tile)
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t o0 = b * p.block;
-        I::block(p, r, std::min(tile, p.rows - r), o0, std::min(p.block, p.out - o0));
-      }
-  }
+  void range(int64_t b0, int64_t b1) const { I::bands_by_blocks(p, 0, p.rows, I::row_tile(p), b0, b1); }
   // Thread tid of n: its even share, then claimed chunks until none are left.
   void work(int64_t tid, int64_t n) {
     if (p.amx) I::amx_begin(p.group);  // the tile configuration is each thread's own
@@ -133,10 +95,10 @@ struct Ahead {
 struct Buffers {
   std::vector<at::Tensor> keep;  // owns those below
   float *h, *qkv, *q, *attn, *o, *gate_up, *act, *x, *res, *partials = nullptr;
-  int8_t* xq;  // a linear's input rounded (one set: each linear rounds its input just before it runs): lanes8's
-  float* xs;   // int8 per group, scales and offset terms; the lanes layout's int16 a row and a scale a row
-  int32_t* xc;
-  int16_t* xq16;
+  int8_t* x8;  // a linear's input rounded (one set: each linear rounds its input just before it runs): lanes8's int8
+  float* xs;   // per group, its scales and offset terms (x8, xs, xc); the lanes layout's int16 a row and a scale a
+  int32_t* xc;  // row (xq, xs)
+  int16_t* xq;
 };
 
 bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows) {
@@ -162,37 +124,20 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
                        const at::Tensor& block_table, const at::Tensor& seq_of_token, const at::Tensor& key_len,
                        int64_t block_size, double scale, int64_t heads, int64_t kv_heads, double eps) {
   auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& { return *w[layer * kPerLayer + k]; };
-  const int64_t rows = x_in.size(0), hidden = x_in.size(1);
   F::check_float(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "x: expected [T, hidden], got ", x_in.sizes());
-  F::check_float(cos, "cos");
-  F::check_float(sin, "sin");
-  TORCH_CHECK(caches[0].dim() == 4 && heads % kv_heads == 0, "cache: expected [2, slots, kv_heads, D], got ",
-              caches[0].sizes());
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads (", heads,
+              ") must be a positive multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(caches[0].dim() == 4, "cache: expected [2, slots, kv_heads, D], got ", caches[0].sizes());
   const at::Tensor& down_q = get(0, kDownQ);
-  const int64_t d = caches[0].size(3), inter = down_q.size(1) * down_q.size(2) / I::kLaneOuts;
-  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d, "cos/sin: expected [T, ", d, "]");
-  F::check_long(slots, "slots", rows);
-  F::check_long(seq_of_token, "seq_of_token", rows);
-  F::check_long(key_len, "key_len", rows);
-  TORCH_CHECK(block_size > 0, "block_size must be positive");
-  const auto table_type = block_table.scalar_type();
-  TORCH_CHECK(block_table.dim() == 2 && (table_type == at::kInt || table_type == at::kLong),
-              "block_table: expected int32 or int64 [B, max_blocks], got ", block_table.sizes());
-  const at::Tensor table = block_table.to(at::kLong).contiguous();
-  const int64_t seqs = table.size(0), width = table.size(1);
-  const int64_t *tp = table.data_ptr<int64_t>(), *sp = seq_of_token.data_ptr<int64_t>(),
-                *lp = key_len.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
-  for (const at::Tensor& c : caches) {
-    F::check_float(c, "cache");
-    TORCH_CHECK(c.dim() == 4 && c.size(0) == 2 && c.size(2) == kv_heads && c.size(3) == d,
-                "cache: expected [2, slots, ", kv_heads, ", ", d, "], got ", c.sizes());
+  const int64_t rows = x_in.size(0), hidden = x_in.size(1), d = caches[0].size(3), num_slots = caches[0].size(1);
+  const int64_t inter = down_q.size(1) * down_q.size(2) / I::kLaneOuts;
+  for (int64_t l = 0; l < layers; ++l) {  // as rope_store checks them, every layer's cache
+    F::check_rope(rows, d, cos, sin, caches[l], slots, kv_heads);
+    TORCH_CHECK(caches[l].size(1) == num_slots, "caches: unequal slot counts");
   }
-  const int64_t num_slots = caches[0].size(1);
-  for (const at::Tensor& c : caches) TORCH_CHECK(c.size(1) == num_slots, "caches: unequal slot counts");
-  for (int64_t t = 0; t < rows; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range [0, ", num_slots, ")");
-  F::check_meta(rows, tp, sp, lp, seqs, width, block_size, num_slots / block_size);
+  const F::AttnMeta meta = F::attn_meta(block_table, seq_of_token, key_len, rows, block_size, num_slots);
+  const int64_t* slot = slots.data_ptr<int64_t>();
 
   const auto f32 = x_in.options();
   Buffers s;
@@ -212,41 +157,37 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   at::Tensor x_out = at::empty({rows, hidden}, f32);  // each layer's output (down's)
   s.x = x_out.data_ptr<float>();
   s.res = x_in.data_ptr<float>();  // the residual stream, in place in x as the per-op loop keeps it
-  s.xq = static_cast<int8_t*>(buf(rows * widest, at::kChar));
+  s.x8 = static_cast<int8_t*>(buf(rows * widest, at::kChar));
   s.xs = static_cast<float*>(buf(rows * (widest / group + 1)));
   s.xc = static_cast<int32_t*>(buf(rows * (widest / group + 1), at::kInt));
-  s.xq16 = static_cast<int16_t*>(buf(rows * widest, at::kShort));
+  s.xq = static_cast<int16_t*>(buf(rows * widest, at::kShort));
 
   // Each linear's problem, checked as its op checks it.
   const int64_t threads = at::get_num_threads();
   const at::Tensor h_in = at::from_blob(s.h, {rows, hidden}, f32);
   const at::Tensor attn_in = at::from_blob(s.attn, {rows, heads * d}, f32);
   const at::Tensor act_in = at::from_blob(s.act, {rows, inter}, f32);
-  std::vector<std::unique_ptr<TeamLinear>> lin;
-  auto linear = [&](const at::Tensor& x, float* y, int64_t l, int64_t kq, int64_t ks, const Opt& bias) {
-    auto t = std::make_unique<TeamLinear>();
-    t->p = I::problem_of(x, get(l, kq), get(l, ks), bias);
-    TORCH_CHECK(t->p.group == group && (t->p.q8 || t->p.lanes), "layer ", l, ": not in a lanes layout");
-    t->p.y = y;
-    if (t->p.q8)
-      t->p.x8 = s.xq, t->p.x8s = s.xs, t->p.x8c = s.xc;
+  std::vector<TeamLinear> lin(4 * layers);  // qkv, o, gate_up, down a layer
+  auto linear = [&](int64_t i, const at::Tensor& x, float* y, int64_t kq, int64_t ks, const Opt& bias, int64_t out) {
+    const int64_t l = i / 4;
+    I::Problem& p = lin[i].p;
+    p = I::problem_of(x, get(l, kq), get(l, ks), bias);
+    TORCH_CHECK(p.group == group && (p.q8 || p.lanes) && p.out == out, "layer ", l, ": a linear of ", p.out,
+                " outputs (", out, " expected), not in a lanes layout, or of another group");
+    p.y = y;
+    if (p.q8)
+      p.x8 = s.x8, p.x8s = s.xs, p.x8c = s.xc;
     else
-      t->xq16 = s.xq16, t->p.xq = s.xq16, t->p.xs = s.xs;
-    t->setup(threads);
-    lin.push_back(std::move(t));
+      p.xq = s.xq, p.xs = s.xs;
+    lin[i].setup(threads);
   };
   std::vector<const float*> norm1(layers), norm2(layers);
   std::vector<float*> kc(layers);
   for (int64_t l = 0; l < layers; ++l) {
-    linear(h_in, s.qkv, l, kQkvQ, kQkvS, w[l * kPerLayer + kQkvB]);
-    TORCH_CHECK(lin.back()->p.out == (heads + 2 * kv_heads) * d, "layer ", l, ": qkv has ", lin.back()->p.out,
-                " outputs");
-    linear(attn_in, s.o, l, kOQ, kOS, w[l * kPerLayer + kOB]);
-    TORCH_CHECK(lin.back()->p.out == hidden, "layer ", l, ": o has ", lin.back()->p.out, " outputs");
-    linear(h_in, s.gate_up, l, kGateUpQ, kGateUpS, std::nullopt);
-    TORCH_CHECK(lin.back()->p.out == 2 * inter, "layer ", l, ": gate_up has ", lin.back()->p.out, " outputs");
-    linear(act_in, s.x, l, kDownQ, kDownS, std::nullopt);
-    TORCH_CHECK(lin.back()->p.out == hidden, "layer ", l, ": down has ", lin.back()->p.out, " outputs");
+    linear(4 * l, h_in, s.qkv, kQkvQ, kQkvS, w[l * kPerLayer + kQkvB], (heads + 2 * kv_heads) * d);
+    linear(4 * l + 1, attn_in, s.o, kOQ, kOS, w[l * kPerLayer + kOB], hidden);
+    linear(4 * l + 2, h_in, s.gate_up, kGateUpQ, kGateUpS, std::nullopt, 2 * inter);
+    linear(4 * l + 3, act_in, s.x, kDownQ, kDownS, std::nullopt, hidden);
     for (int64_t k : {kNorm1, kNorm2}) {
       F::check_float(get(l, k), "norm weight");
       TORCH_CHECK(get(l, k).numel() == hidden, "layer ", l, ": a norm's weight");
@@ -257,7 +198,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
 
   // The attention's plan (the same every layer), its partials, and each layer's counters.
   F::AttnPlan plan;
-  F::plan_attention(plan, rows, sp, lp, seqs, width, block_size, heads, kv_heads, d, threads);
+  F::plan_attention(plan, rows, meta, block_size, heads, kv_heads, d, threads);
   const int64_t n_pairs = static_cast<int64_t>(plan.pairs.size());
   s.partials = plan.split ? static_cast<float*>(buf(static_cast<int64_t>(plan.items.size()) * plan.stride)) : nullptr;
   std::vector<std::atomic<int64_t>> left(layers * n_pairs), next_item(layers);
@@ -265,16 +206,17 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     if (plan.split) F::reset_left(plan, left.data() + l * n_pairs);
     next_item[l].store(0, std::memory_order_relaxed);
   }
-  const int64_t nv = d % 16 == 0 && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
   const float *cp = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
 
-  Barrier bar;
+  mvllm::Barrier bar;
   const float e = static_cast<float>(eps);
   auto norm_rows = [&](const float* x, float* res, const float* weight, float* out, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       F::norm_row(x + r * hidden, res ? res + r * hidden : nullptr, weight, out + r * hidden, hidden, e);
   };
+#if defined(_OPENMP)
 #pragma omp parallel num_threads(threads)
+#endif
   {
 #if defined(_OPENMP)
     const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
@@ -299,13 +241,13 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
         ahead = {};
       bar.wait(ahead);
     };
-    ahead.aim(*lin[0], tid, n);
+    ahead.aim(lin[0], tid, n);
     for (int64_t l = 0; l < layers; ++l) {
-      TeamLinear &qkv = *lin[4 * l], &o = *lin[4 * l + 1], &gate_up = *lin[4 * l + 2], &down = *lin[4 * l + 3];
-      TeamLinear* after = l + 1 < layers ? lin[4 * l + 4].get() : nullptr;
+      TeamLinear &qkv = lin[4 * l], &o = lin[4 * l + 1], &gate_up = lin[4 * l + 2], &down = lin[4 * l + 3];
+      TeamLinear* after = l + 1 < layers ? &lin[4 * l + 4] : nullptr;
       by_rows([&](int64_t r0, int64_t r1) {  // input norm (the residual stream takes the last layer's output)
         norm_rows(l == 0 ? s.res : s.x, l == 0 ? nullptr : s.res, norm1[l], s.h, r0, r1);
-        qkv.round_input(r0, r1);
+        I::round_rows(qkv.p, r0, r1);
       });
       share(qkv, &o);
       by_rows([&](int64_t r0, int64_t r1) {  // RoPE on q and k, k and v into the cache
@@ -314,22 +256,21 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
           for (int64_t h = 0; h < heads + kv_heads; ++h) F::rope_head(r, t, h);
       });
       {
-        const F::Attn a{s.q, kc[l], num_slots * kv_heads * d, s.attn, tp, sp, lp, width,
-                        heads, kv_heads, heads / kv_heads, d, block_size, nv, static_cast<float>(scale)};
+        const F::Attn a = F::attn_of(s.q, kc[l], num_slots, s.attn, meta, heads, kv_heads, d, block_size, scale);
         F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
         bar.wait(ahead);
       }
-      by_rows([&](int64_t r0, int64_t r1) { o.round_input(r0, r1); });
+      by_rows([&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); });
       share(o, &gate_up);
       by_rows([&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
         norm_rows(s.o, s.res, norm2[l], s.h, r0, r1);
-        gate_up.round_input(r0, r1);
+        I::round_rows(gate_up.p, r0, r1);
       });
       share(gate_up, &down);
       by_rows([&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
           F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
-        down.round_input(r0, r1);
+        I::round_rows(down.p, r0, r1);
       });
       share(down, after);
     }

@@ -1,0 +1,38 @@
+#pragma once
+
+// The spin barrier the C++ layer loop's team of threads meets at (layers.cpp); experiments/team_probe.cpp times it
+// outside torch, so it includes nothing of torch's.
+
+#include <atomic>
+#include <cstdint>
+
+namespace mvllm {
+
+// Sense-reversing central barrier of n threads: the last to arrive resets the count and flips the generation. A
+// thread that waits runs idle() between polls (idle returns false when it has nothing to do: the thread pauses).
+struct Barrier {
+  alignas(64) std::atomic<int64_t> count{0};
+  alignas(64) std::atomic<int64_t> gen{0};
+  int64_t n = 1;
+
+  template <class Idle>
+  void wait(Idle&& idle) {
+    const int64_t g = gen.load(std::memory_order_acquire);
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      gen.store(g + 1, std::memory_order_release);
+      return;
+    }
+    while (gen.load(std::memory_order_acquire) == g)
+      if (!idle()) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+  }
+  void wait() {
+    wait([] { return false; });
+  }
+};
+
+}  // namespace mvllm
