@@ -13,7 +13,8 @@ head, the argmax, the attention metadata, the rest: Python and small ops), media
 
 --knobs chunks=8,chunks=4: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
 (cpu_int8.knob; "chunks=4:stage=0" sets two) or the layer loop's (cpu_layers.knob: team=0 a region an op, team=1 one
-team of threads a step) in turn, --rounds times, in one process: each setting's median step
+team of threads a step; even, the percent of a linear's blocks the team splits evenly; ahead, the bytes a waiting
+thread prefetches) in turn, --rounds times, in one process: each setting's median step
 against the first's, the host's drift shared.
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
@@ -78,8 +79,8 @@ def knob_rounds(a, settings: list[str], step) -> None:
     """--knobs: each setting's steps in turn, a.rounds times; the medians printed against the first setting's."""
     from mvllm.kernels import cpu_int8, cpu_layers
 
-    def knob(name: str, value: int) -> int:  # "team" is the layer loop's, the others the int8 kernel's
-        return (cpu_layers.knob if name == "team" else cpu_int8.knob)(name, value)
+    def knob(name: str, value: int) -> int:  # "team", "even", "ahead" are the layer loop's, the others the kernel's
+        return (cpu_layers.knob if name in ("team", "even", "ahead") else cpu_int8.knob)(name, value)
 
     def apply(setting: str) -> dict[str, int]:
         return {name: knob(name, int(value)) for name, value in (kv.split("=") for kv in setting.split(":"))}

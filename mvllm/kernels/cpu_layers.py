@@ -76,7 +76,9 @@ class Layers:
 
 def knob(name: str, value: int) -> int:
     """Set the layer loop's knob in this process, for same-process comparisons; the previous value back. "team":
-    1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op."""
+    1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op. "even": the
+    percent of a linear's output blocks the team splits evenly, the rest claimed in turn (MVLLM_TEAM_EVEN, default
+    75). "ahead": the bytes of its next share a thread waiting at a barrier prefetches (MVLLM_TEAM_AHEAD, 1 MB)."""
     if not available():
         raise RuntimeError(f"no C++ layer loop here: {why_unavailable}")
     return torch.ops.mvllm_layers.knob(name, value)

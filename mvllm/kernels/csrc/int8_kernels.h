@@ -325,7 +325,7 @@ inline int32_t pair(const int16_t* x) {
 // Knobs for same-run experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024), AVX-512
 // only, each read once: MVLLM_INT8_TILES, the tiles of one thread's range streamed at once at 1-2 rows (1, 2 or
 // 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 1024: two groups
-// of a tile; 0: none), MVLLM_INT8_HINT, into which cache. Neither more tiles nor a prefetch into L2 beat the
+// of a tile; 0: none; also knob("prefetch", n) in a running process), MVLLM_INT8_HINT, into which cache. Neither more tiles nor a prefetch into L2 beat the
 // defaults on the Xeon (results/profile/README.md).
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* env = std::getenv(name);
@@ -343,10 +343,11 @@ int64_t prefetch_hint() {
   static const int64_t n = env_int("MVLLM_INT8_HINT", 0, 0, 2);
   return n;
 }
-int64_t prefetch_bytes() {
-  static const int64_t n = env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64;
+std::atomic<int64_t>& prefetch_ahead() {  // knob("prefetch", bytes) in a running process
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64};
   return n;
 }
+int64_t prefetch_bytes() { return prefetch_ahead().load(std::memory_order_relaxed); }
 
 #if defined(__AVX512BW__)
 constexpr int kMaxLaneRows = 8;  // 8 rows' accumulators and totals, 16 of 32 registers
@@ -1135,13 +1136,14 @@ void run(const Problem& p) {
   });
 }
 
-// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows) or "bands" (0 or
-// 1); the previous value back.
+// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
+// 1) or "prefetch" (bytes ahead); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above and bands, got ", name);
+  if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands and prefetch, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 

@@ -45,6 +45,16 @@ std::atomic<int64_t>& team_on() {
   return on;
 }
 std::atomic<int64_t> team_calls{0};  // calls the team ran (tests ask which path a step took)
+// Knobs for same-process experiments: the share of a linear's blocks split evenly (percent; MVLLM_TEAM_EVEN,
+// default 75) and the bytes a waiting thread prefetches of its next share (MVLLM_TEAM_AHEAD, default 1 MB).
+std::atomic<int64_t>& even_percent() {
+  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_EVEN", 75, 0, 100)};
+  return n;
+}
+std::atomic<int64_t>& ahead_bytes() {
+  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AHEAD", 1 << 20, 0, int64_t{1} << 30)};
+  return n;
+}
 
 // A linear of the team: its problem (x, y and the activations' rounding set to the step's buffers), the output
 // blocks split evenly among the threads (the first `even` of them) and the rest claimed in turn.
@@ -55,7 +65,7 @@ struct TeamLinear {
 
   void setup(int64_t threads) {
     blocks = (p.out + p.block - 1) / p.block;
-    even = blocks * 3 / 4 / threads * threads;  // a quarter or more left to claim
+    even = blocks * even_percent().load(std::memory_order_relaxed) / 100 / threads * threads;  // the rest claimed
     chunk = std::max<int64_t>(1, (blocks - even) / (4 * threads));
     next.store(even, std::memory_order_relaxed);
   }
@@ -75,13 +85,12 @@ struct TeamLinear {
   }
 };
 
-// What a waiting thread prefetches: the next lines of its share of the next linear, up to kAheadBytes.
-constexpr int64_t kAheadBytes = 1 << 20;
+// What a waiting thread prefetches: the next lines of its share of the next linear, up to ahead_bytes().
 struct Ahead {
   const uint8_t *at = nullptr, *end = nullptr;
   void aim(const TeamLinear& l, int64_t tid, int64_t n) {
     auto [from, to] = l.share(tid, n);
-    at = from, end = std::min(to, from + kAheadBytes);
+    at = from, end = std::min(to, from + ahead_bytes().load(std::memory_order_relaxed));
   }
   bool operator()() {
     if (at >= end) return false;
@@ -326,9 +335,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   return F::add_rms_norm(x, residual, final_norm, eps);
 }
 
-// Same-process comparisons: "team" 0 or 1; the previous value back.
+// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
-  TORCH_CHECK(name == "team", "layer loop knobs: team, got ", name);
+  if (name == "even") return even_percent().exchange(std::clamp<int64_t>(value, 0, 100));
+  if (name == "ahead") return ahead_bytes().exchange(std::clamp<int64_t>(value, 0, int64_t{1} << 30));
+  TORCH_CHECK(name == "team", "layer loop knobs: team, even and ahead, got ", name);
   return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
