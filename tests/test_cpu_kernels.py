@@ -277,8 +277,8 @@ def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
 
 @pytest.mark.parametrize("kind", ["lanes", "lanes8"])
 def test_chunks_and_staging_change_no_bits(kernel, kind):
-    """How a call is shared among threads (chunks per thread, each claiming the next; 0: one range each) and the
-    L2 prefetch of the next block (stage) change only which thread computes an output and when: the same bits, at
+    """How a call is shared among threads (chunks per thread, each claiming the next; 0: one range each), the
+    L2 prefetch of the next block (stage) and the prefetch distance change only which thread computes an output and when: the same bits, at
     a decode row, the VNNI blocks' 20 rows (several passes over a block), 48 (AMX tiles where ck.amx()) and 300 (the
     rows cut into bands, narrower where the call has few chunks a thread)."""
     if kind == "lanes8" and not ck.has_lanes8():
@@ -290,19 +290,24 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
     qp, sp = ck.pack(q, scales, kind)
     x = torch.randn(300, 896, generator=gen)
     threads = torch.get_num_threads()
-    before = ck.knob("chunks", 0), ck.knob("stage", 0), ck.knob("bands", 1)
+    names = ("chunks", "stage", "bands", "prefetch")
+    before = [ck.knob(name, 0) for name in names]
     try:
         torch.set_num_threads(max(2, threads))
         for rows in (1, 20, 48, 300):
-            ck.knob("chunks", 0), ck.knob("stage", 0), ck.knob("bands", 0)
+            for name in names:
+                ck.knob(name, 0)
             plain = ck.int8_linear(x[:rows], qp, sp)
-            for chunks, stage, bands in ((1, 0, 1), (8, 0, 1), (8, 1, 1), (64, 1, 1), (8, 1, 0), (1, 0, 0)):
-                ck.knob("chunks", chunks), ck.knob("stage", stage), ck.knob("bands", bands)
-                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, chunks, stage, bands)
+            for setting in ((1, 0, 1, 0), (8, 0, 1, 1024), (8, 1, 1, 4096), (64, 1, 1, 256), (8, 1, 0, 4096),
+                            (1, 0, 0, 65536)):
+                for name, value in zip(names, setting):
+                    ck.knob(name, value)
+                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, setting)
     finally:
-        ck.knob("chunks", before[0]), ck.knob("stage", before[1]), ck.knob("bands", before[2])
+        for name, value in zip(names, before):
+            ck.knob(name, value)
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="chunks, stage, amx_above and bands"):
+    with pytest.raises(RuntimeError, match="chunks, stage, amx_above, bands and prefetch"):
         ck.knob("nope", 1)
     before = ck.knob("amx_above", 5)  # the setting round-trips on every build (it changes calls only with AMX)
     assert (before, ck.knob("amx_above", before)) == (int(os.environ.get("MVLLM_INT8_AMX_ABOVE", 8)), 5)

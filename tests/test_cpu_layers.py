@@ -123,6 +123,16 @@ def test_decode_in_one_team_matches_a_region_an_op(model, threads):
         assert torch.equal(t, o)
     for t, o in zip(team_cache, e.runner.caches):
         assert torch.equal(t, o)
+    knobs = cpu_layers.knob("even", 0), cpu_layers.knob("ahead", 0)
+    try:  # every block claimed in turn, then every block split evenly: which thread computes what changes no bits
+        for even, ahead in ((0, 0), (100, 1 << 16)):
+            cpu_layers.knob("even", even), cpu_layers.knob("ahead", ahead)
+            for cache, saved in zip(e.runner.caches, before):
+                cache.copy_(saved)
+            for t, o in zip(hidden_rows(e, batch), ops):
+                assert torch.equal(t, o), (even, ahead)
+    finally:
+        cpu_layers.knob("even", knobs[0]), cpu_layers.knob("ahead", knobs[1])
 
 
 def test_greedy_tokens_in_one_team_match_a_region_an_op():

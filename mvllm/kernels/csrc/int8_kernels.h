@@ -324,8 +324,10 @@ inline int32_t pair(const int16_t* x) {
 
 // Knobs for same-run experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024), AVX-512
 // only, each read once: MVLLM_INT8_TILES, the tiles of one thread's range streamed at once at 1-2 rows (1, 2 or
-// 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 1024: two groups
-// of a tile; 0: none; also knob("prefetch", n) in a running process), MVLLM_INT8_HINT, into which cache. Neither more tiles nor a prefetch into L2 beat the
+// 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 4096: eight groups
+// of a tile; 0: none; also knob("prefetch", n) in a running process; on the Xeon, same process, 4096 took decode
+// steps to 0.93-1.00x and warm prefills to 0.95x the time of 1024, the default before), MVLLM_INT8_HINT, into
+// which cache. Neither more tiles nor a prefetch into L2 beat the
 // defaults on the Xeon (results/profile/README.md).
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* env = std::getenv(name);
@@ -344,7 +346,7 @@ int64_t prefetch_hint() {
   return n;
 }
 std::atomic<int64_t>& prefetch_ahead() {  // knob("prefetch", bytes) in a running process
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_PREFETCH", 1024, 0, 1 << 16) / 64 * 64};
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_PREFETCH", 4096, 0, 1 << 16) / 64 * 64};
   return n;
 }
 int64_t prefetch_bytes() { return prefetch_ahead().load(std::memory_order_relaxed); }
