@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,9 +103,9 @@ def test_decode_in_one_team_matches_a_region_an_op(model, threads):
     caches are bitwise those of the loop that opens a region an op, with the attention's keys split over items."""
     if threads > (os.cpu_count() or 1):
         pytest.skip(f"{threads} threads: more than this machine's cores")
-    if cpu_int8.layout() not in ("lanes", "lanes8"):
-        pytest.skip(f"the team takes decode steps in the lanes layouts; here the kernel has {cpu_int8.layout()!r}")
     e = Engine(EngineConfig(model=model, quant="int8w", threads=threads, num_blocks=64))
+    if os.environ.get("MVLLM_INT8_PATH") in PORTABLE:  # test_the_team_takes_the_portable_layout's processes
+        assert e.model.layers[0].self_attn.qkv_proj.q.dim() == 2
     long = [(7 * k) % 500 + 1 for k in range(120)]  # 120 keys: split into items (tiny-llama's one kv head)
     short = [(3 * k) % 400 + 2 for k in range(9)]
     batch = [(long, 119), (short, 8), (short, 5)]  # 1 + 1 + 4 rows
@@ -142,9 +144,25 @@ def test_greedy_tokens_in_one_team_match_a_region_an_op():
 
     calls = cpu_layers.team_calls()
     team = run()
-    if cpu_int8.layout() in ("lanes", "lanes8"):
-        assert cpu_layers.team_calls() > calls
+    assert cpu_layers.team_calls() > calls
     assert team == per_op(run)
+
+
+PORTABLE = ("int16", "float")
+
+
+@pytest.mark.parametrize("path", PORTABLE)
+def test_the_team_takes_the_portable_layout(path):
+    """Weights [out, in] (MVLLM_INT8_PATH=int16, the default where the kernel has no lanes layout: an Apple M2's
+    NEON; or float) run their decode steps in the team too, bitwise as a region an op (the path is read once a
+    process: the tests above in a process of their own)."""
+    tests = [f"{__file__}::{name}" for name in ("test_decode_in_one_team_matches_a_region_an_op",
+                                                 "test_greedy_tokens_in_one_team_match_a_region_an_op")]
+    env = {**os.environ, "MVLLM_INT8_PATH": path}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *tests], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
 
 
 def test_a_warm_prefill_in_one_team_matches_a_region_an_op():

@@ -2,8 +2,8 @@
 // fused and int8 kernels directly (fused_kernels.h, int8_kernels.h), so a step pays no Python and no dispatcher
 // between them (on the 2-vCPU machine, 6-7 ms of a 57-63 ms step was Python between the ops).
 //
-// Steps of up to kTeamRows tokens (decode, a warm prefill) whose linears are in the lanes layouts run their layers
-// in one team of threads (one OpenMP region a step) instead of a region an op: the threads split the small work
+// Steps of up to kTeamRows tokens (decode, a warm prefill; the weights in any layout the kernel has: lanes8, lanes
+// or [out, in], the last the portable path's, an Apple M2's) run their layers in one team of threads (one OpenMP region a step) instead of a region an op: the threads split the small work
 // (norms and the activations' rounding, RoPE, SiLU) by rows, share each linear and the attention, and meet at spin
 // barriers. With out_rows the last layer, which computes only those rows past its KV write, runs op by op. A
 // linear's output blocks are mostly split evenly, the rest claimed in turn (a thread the host slows takes fewer); a
@@ -78,7 +78,7 @@ struct TeamLinear {
       range(b, std::min(blocks, b + chunk));
     if (p.amx) I::amx_end();
   }
-  // The weight bytes of thread tid's even share (the lanes layouts: an output block is p.block * in contiguous bytes).
+  // The weight bytes of thread tid's even share (in every layout an output block is p.block * in contiguous bytes).
   std::pair<const uint8_t*, const uint8_t*> share(int64_t tid, int64_t n) const {
     const uint8_t* q = p.q8 ? p.q8 : reinterpret_cast<const uint8_t*>(p.q);
     return {q + even * tid / n * p.block * p.in, q + even * (tid + 1) / n * p.block * p.in};
@@ -117,8 +117,8 @@ bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows) {
   if (rows < 1 || rows > kTeamRows) return false;
   for (int64_t l = 0; l < layers; ++l)
     for (int64_t k : {kQkvQ, kOQ, kGateUpQ, kDownQ}) {
-      const Opt& q = w[l * kPerLayer + k];  // a lanes layout: lanes8 (uint8) or lanes (int8)
-      if (!q || q->dim() != 3 || (q->scalar_type() == at::kByte ? !I::kHasLanes8 : !I::kHasLanes)) return false;
+      const Opt& q = w[l * kPerLayer + k];  // lanes8 (uint8), lanes (int8, 3-D) or [out, in] (int8, 2-D)
+      if (!q || (q->dim() == 3 && (q->scalar_type() == at::kByte ? !I::kHasLanes8 : !I::kHasLanes))) return false;
     }
   return true;
 #else
@@ -140,7 +140,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   TORCH_CHECK(caches[0].dim() == 4, "cache: expected [2, slots, kv_heads, D], got ", caches[0].sizes());
   const at::Tensor& down_q = get(0, kDownQ);
   const int64_t rows = x_in.size(0), hidden = x_in.size(1), d = caches[0].size(3), num_slots = caches[0].size(1);
-  const int64_t inter = down_q.size(1) * down_q.size(2) / I::kLaneOuts;
+  const int64_t inter = down_q.dim() == 3 ? down_q.size(1) * down_q.size(2) / I::kLaneOuts : down_q.size(1);
   for (int64_t l = 0; l < layers; ++l) {  // as rope_store checks them, every layer's cache
     F::check_rope(rows, d, cos, sin, caches[l], slots, kv_heads);
     TORCH_CHECK(caches[l].size(1) == num_slots, "caches: unequal slot counts");
@@ -181,13 +181,13 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     const int64_t l = i / 4;
     I::Problem& p = lin[i].p;
     p = I::problem_of(x, get(l, kq), get(l, ks), bias);
-    TORCH_CHECK(p.group == group && (p.q8 || p.lanes) && p.out == out, "layer ", l, ": a linear of ", p.out,
-                " outputs (", out, " expected), not in a lanes layout, or of another group");
+    TORCH_CHECK(p.group == group && p.out == out, "layer ", l, ": a linear of ", p.out, " outputs (", out,
+                " expected), or of another group");
     p.y = y;
     if (p.q8)
       p.x8 = s.x8, p.x8s = s.xs, p.x8c = s.xc;
-    else
-      p.xq = s.xq, p.xs = s.xs;
+    else if (I::int16_input(p))
+      p.xq = s.xq, p.xs = s.xs;  // else a float path: it reads x itself
     lin[i].setup(threads);
   };
   std::vector<const float*> norm1(layers), norm2(layers);
