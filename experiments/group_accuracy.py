@@ -18,9 +18,11 @@ import json
 import torch
 from torch import nn
 
+from mvllm.engine import quant
 from mvllm.kernels import cpu_int8
 from mvllm.model.loader import build_model, resolve
 from mvllm.profile import accuracy
+from mvllm.profile.run import environment
 
 
 class Lanes8Emulated(nn.Module):
@@ -64,13 +66,12 @@ def main() -> None:
     ref = accuracy.Reference(source)
     cpu = torch.device("cpu")
     out = {"model": a.model, "tokens": len(ref.ids), "what": "lanes8's numbers emulated in torch, teacher-forced "
-           "over mvllm/data/eval.txt in one forward, against float32", "groups": {}}
+           "over mvllm/data/eval.txt in one forward, against float32; a linear whose inputs are not a multiple of the "
+           "group stays float32", "command": f"python experiments/group_accuracy.py --groups {a.groups}",
+           "environment": environment(a.model), "groups": {}}
     for group in [int(g) for g in a.groups.split(",")]:
         model = build_model(source, cpu, torch.float32)
-        if model.lm_head.weight is model.embed_tokens.weight:
-            head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
-            head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
-            model.lm_head = head
+        quant._untie(model)  # the LM head quantized too, as int8w does
         swap(model, group)
         with torch.inference_mode():
             got = accuracy.compare(ref.logits, accuracy.logits(model, ref.ids, cpu, torch.float32))
