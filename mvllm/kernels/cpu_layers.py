@@ -1,9 +1,9 @@
 """The int8w decoder's layer loop in C++ (csrc/layers.cpp): the same fused and int8 kernels as
 model/cpu_forward.py's Python loop, in the same order, called directly, so a decode step pays no Python and no
 dispatcher between its ~220 ops. Steps of up to 64 tokens (decode, a warm prefill; weights in the lanes layouts or
-[out, in], the portable path's) run their layers in one team of threads that meet at spin barriers (one OpenMP region a step, not one an op), the waiting
-threads prefetching their share of the next linear's weights; a last layer that trims its rows (out_rows) runs op
-by op. `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either
+[out, in], the portable path's) run their layers in one team of threads that meet at spin barriers (one OpenMP
+region a step, not one an op), the waiting threads prefetching their share of the next linear's weights; a last
+layer that trims its rows (out_rows) runs op by op. `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either
 way (tests/test_cpu_layers.py).
 
 `Layers.of(model)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs them for

@@ -327,8 +327,7 @@ inline int32_t pair(const int16_t* x) {
 // 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 4096: eight groups
 // of a tile; 0: none; also knob("prefetch", n) in a running process; on the Xeon, same process, 4096 took decode
 // steps to 0.93-1.00x and warm prefills to 0.95x the time of 1024, the default before), MVLLM_INT8_HINT, into
-// which cache. Neither more tiles nor a prefetch into L2 beat the
-// defaults on the Xeon (results/profile/README.md).
+// which cache. Neither more tiles nor a prefetch into L2 beat the defaults on the Xeon (results/profile/README.md).
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* env = std::getenv(name);
   return std::clamp<int64_t>(env ? std::atoll(env) : fallback, lo, hi);
