@@ -9,12 +9,14 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
         [--knobs chunks=8,chunks=4 [--rounds 4]]
 
 --split: also time a step's phases with perf_counter around them, without the profiler (the C++ layer loop, the LM
-head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps.
+head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps; and the C++
+team's phases (each linear, the attention, the small work between), wall and the threads' mean work, a step.
 
 --knobs chunks=8,chunks=4: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
 (cpu_int8.knob; "chunks=4:stage=0" sets two) or the layer loop's (cpu_layers.knob: team=0 a region an op, team=1 one
 team of threads a step; even, the percent of a linear's blocks the team splits evenly; ahead, the bytes a waiting
-thread prefetches) in turn, --rounds times, in one process: each setting's median step
+thread prefetches), or the attention's (cpu_fused.attention_knob: items, token_items, lanes) in turn, --rounds
+times, in one process: each setting's median step
 against the first's, the host's drift shared.
 
 --batch-invariant: int8w with batch_invariant=on, so every step's linears take the int8 kernel (AMX tiles above 32
@@ -75,11 +77,31 @@ def phases(engine, step, steps: int) -> dict[str, float]:
     return {k: 1000 * sorted(v)[len(v) // 2] for k, v in per_step.items()}
 
 
+def team_phases(step, steps: int, threads: int) -> dict[str, dict[str, float]]:
+    """The team's phases (csrc/layers.cpp, knob "times" 1), ms a step: wall, and the threads' mean work before
+    each phase's barrier (wall - work is the waiting). Empty where no step ran in a team."""
+    from mvllm.kernels import cpu_layers
+
+    if not cpu_layers.available():
+        return {}
+    cpu_layers.team_times()
+    old = cpu_layers.knob("times", 1)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        cpu_layers.knob("times", old)
+    return {k: {"wall": wall / steps, "work": work / steps / threads}
+            for k, (wall, work) in cpu_layers.team_times().items() if wall > 0}
+
+
 def knob_rounds(a, settings: list[str], step) -> None:
     """--knobs: each setting's steps in turn, a.rounds times; the medians printed against the first setting's."""
-    from mvllm.kernels import cpu_int8, cpu_layers
+    from mvllm.kernels import cpu_fused, cpu_int8, cpu_layers
 
-    def knob(name: str, value: int) -> int:  # "team", "even", "ahead" are the layer loop's, the others the kernel's
+    def knob(name: str, value: int) -> int:  # the layer loop's, the attention's, or else the int8 kernel's
+        if name in ("items", "token_items", "lanes"):
+            return cpu_fused.attention_knob(name, value)
         return (cpu_layers.knob if name in ("team", "even", "ahead") else cpu_int8.knob)(name, value)
 
     def apply(setting: str) -> dict[str, int]:
@@ -172,6 +194,7 @@ def main() -> None:
         step()
         plain.append(time.perf_counter() - t)
     split = phases(engine, step, a.steps) if a.split else {}
+    team = team_phases(step, a.steps, a.threads) if a.split else {}
     by_op: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         if e.key.startswith(("mvllm", "aten::", "mkldnn::")) and e.self_cpu_time_total > 0:
@@ -192,10 +215,15 @@ def main() -> None:
         print(f"  {name:<44} {ms:7.3f} ms/step")
     if split:
         print("  phases, no profiler: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " ms")
+    if team:
+        print("  team phases, ms a step (wall / the threads' mean work): " + ", ".join(
+            f"{k} {v['wall']:.3f}/{v['work']:.3f}" for k, v in team.items()) +
+            f"; sum {sum(v['wall'] for v in team.values()):.3f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "int8_path": path, "step_ms": bare, "profiled_step_ms": wall, "ops_ms": ops_ms,
-                       "ops": dict(top), "phases_ms": split}, f, indent=1)
+                       "ops": dict(top), "phases_ms": split,
+                       "team_phases_ms": team}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ def knob(name: str, value: int) -> int:
     call of several passes over a block computes (MVLLM_INT8_STAGE, default 1). "amx_above": calls of more rows
     than this take AMX tiles where amx() (MVLLM_INT8_AMX_ABOVE, default 8). "bands": 1 cuts a call's rows into
     bands the threads claim apart (MVLLM_INT8_BANDS, default 1). "prefetch": the bytes ahead of each weight stream
-    the AVX-512 lanes kernels prefetch (MVLLM_INT8_PREFETCH, default 4096; 0 none)."""
+    the AVX-512 lanes kernels prefetch (MVLLM_INT8_PREFETCH, default 4096; 0 none). "finish": the groups whose
+    AMX products are finished (the float steps) together, the totals in registers (MVLLM_INT8_FINISH, 1-8,
+    default 1)."""
     return torch.ops.mvllm_int8.knob(name, value)
 
 

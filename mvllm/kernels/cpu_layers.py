@@ -78,7 +78,8 @@ def knob(name: str, value: int) -> int:
     """Set the layer loop's knob in this process, for same-process comparisons; the previous value back. "team":
     1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op. "even": the
     percent of a linear's output blocks the team splits evenly, the rest claimed in turn (MVLLM_TEAM_EVEN, default
-    75). "ahead": the bytes of its next share a thread waiting at a barrier prefetches (MVLLM_TEAM_AHEAD, 1 MB)."""
+    75). "ahead": the bytes of its next share a thread waiting at a barrier prefetches (MVLLM_TEAM_AHEAD, 1 MB).
+    "times": 1 records the team's phase times (team_times), 0 (the default) does not."""
     if not available():
         raise RuntimeError(f"no C++ layer loop here: {why_unavailable}")
     return torch.ops.mvllm_layers.knob(name, value)
@@ -87,3 +88,17 @@ def knob(name: str, value: int) -> int:
 def team_calls() -> int:
     """Steps this process ran (wholly, or but their last layer) in one team of threads."""
     return torch.ops.mvllm_layers.team_calls() if available() else 0
+
+
+PHASES = ("norm+round", "qkv", "rope", "attention", "round o", "o", "norm+round", "gate_up", "silu+round", "down")
+
+
+def team_times() -> dict[str, tuple[float, float]]:
+    """The team's phases since the last call (knob "times" 1 records them), summed over layers and steps, in ms:
+    (wall, the threads' summed work before the phase's barrier). The counters are cleared."""
+    t = torch.ops.mvllm_layers.team_times().tolist()
+    out: dict[str, tuple[float, float]] = {}
+    for i, name in enumerate(PHASES):
+        key = name if name not in out else f"{name} 2"
+        out[key] = (t[i][0], t[i][1])
+    return out

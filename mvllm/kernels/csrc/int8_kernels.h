@@ -515,6 +515,12 @@ std::atomic<int64_t>& amx_above() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
   return n;
 }
+// Groups a chunk of lanes8_amx_chunks (MVLLM_INT8_FINISH, default 1: lanes8_amx; knob("finish", n), 1-8).
+std::atomic<int64_t>& finish_groups() {
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 1, 1, 8)};
+  return n;
+}
+
 // MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
 int64_t gemm_min() {
   static const int64_t n = env_int("MVLLM_INT8_GEMM_MIN", 8, 1, int64_t{1} << 40);
@@ -781,11 +787,92 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
       }
 }
 
+// lanes8_amx with the float steps of `chunk` groups at a time: the chunk's products are all stored first, then
+// each row's totals are loaded once, take the chunk's groups in order in registers, and are stored once (not once
+// a group). The same float steps in the same order: the same bits. The next chunk's products are issued before a
+// chunk's float steps, so the tiles and the vector units work at once.
+template <int RB, int TB>
+void lanes8_amx_chunks(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t, const Stage& next,
+                       int64_t chunk) {
+  constexpr int64_t kMaxChunk = 8;
+  const int64_t ng = p.groups(), in = p.in, group = p.group, m[2] = {m1, m2};
+  const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
+  const uint8_t* w1 = w0 + kLaneOuts * in;
+  const int8_t* x0 = p.x8 + r0 * in;
+  const int8_t* x1 = x0 + m1 * in;
+  alignas(64) int32_t sums[2][kMaxChunk][RB * TB][kAmxRows * kLaneOuts];
+  alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
+  auto products = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
+    for (int64_t g = g0; g < std::min(ng, g0 + chunk); ++g) {
+      int32_t (*out)[kAmxRows * kLaneOuts] = c[g - g0];
+      _tile_zero(0);
+      if constexpr (TB == 2) _tile_zero(1);
+      if constexpr (RB == 2) _tile_zero(2);
+      if constexpr (RB == 2 && TB == 2) _tile_zero(3);
+      _tile_loadd(4, x0 + g * group, in);
+      if constexpr (RB == 2) _tile_loadd(5, x1 + g * group, in);
+      _tile_loadd(6, w0 + g * kLaneOuts * group, 64);
+      if constexpr (TB == 2) _tile_loadd(7, w1 + g * kLaneOuts * group, 64);
+      _tile_dpbsud(0, 4, 6);
+      if constexpr (TB == 2) _tile_dpbsud(1, 4, 7);
+      if constexpr (RB == 2) _tile_dpbsud(2, 5, 6);
+      if constexpr (RB == 2 && TB == 2) _tile_dpbsud(3, 5, 7);
+      _tile_stored(0, out[0], 64);
+      if constexpr (TB == 2) _tile_stored(1, out[1], 64);
+      if constexpr (RB == 2) _tile_stored(2, out[TB], 64);
+      if constexpr (RB == 2 && TB == 2) _tile_stored(3, out[3], 64);
+      next.group(g);
+    }
+  };
+  auto finish = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
+    const int64_t n = std::min(ng, g0 + chunk) - g0;
+    __m512 s[kMaxChunk][TB];
+    for (int64_t k = 0; k < n; ++k)
+      for (int j = 0; j < TB; ++j)
+        s[k][j] = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales16 + ((t + j) * ng + g0 + k) * kLaneOuts)));
+    for (int i = 0; i < RB; ++i)
+      for (int64_t r = 0; r < m[i]; ++r) {
+        const int64_t row = r0 + i * m1 + r;
+        float* tot = total[i * kAmxRows + r];
+        __m512 acc[TB];
+        for (int j = 0; j < TB; ++j) acc[j] = _mm512_load_ps(tot + j * kLaneOuts);
+        for (int64_t k = 0; k < n; ++k) {
+          const __m512i off = _mm512_set1_epi32(p.x8c[row * ng + g0 + k]);
+          const __m512 xs = _mm512_set1_ps(p.x8s[row * ng + g0 + k]);
+          for (int j = 0; j < TB; ++j) {
+            const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[k][i * TB + j] + r * kLaneOuts), off);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[k][j], xs), acc[j]);
+          }
+        }
+        for (int j = 0; j < TB; ++j) _mm512_store_ps(tot + j * kLaneOuts, acc[j]);
+      }
+  };
+  products(0, sums[0]);
+  int64_t b = 0;
+  for (int64_t g0 = chunk; g0 < ng; g0 += chunk, b ^= 1) {
+    products(g0, sums[b ^ 1]);
+    finish(g0 - chunk, sums[b]);
+  }
+  finish((ng - 1) / chunk * chunk, sums[b]);
+  for (int i = 0; i < RB; ++i)
+    for (int64_t r = 0; r < m[i]; ++r)
+      for (int j = 0; j < TB; ++j) {
+        __m512 v = _mm512_load_ps(total[i * kAmxRows + r] + j * kLaneOuts);
+        if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
+        _mm512_storeu_ps(p.y + (r0 + i * m1 + r) * p.out + (t + j) * kLaneOuts, v);
+      }
+}
+
 // One pass over tiles [t, t + TB) for rows [r0, r0 + rows), rows 1-32: two A tiles above 16 rows, else one.
 template <int TB>
 void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
   const int64_t m1 = std::min(rows, kAmxRows), m2 = rows - m1;
   amx_configure(m1, m2);
+  if (const int64_t chunk = finish_groups().load(std::memory_order_relaxed); chunk > 1) {
+    if (m2) return lanes8_amx_chunks<2, TB>(p, r0, m1, m2, t, next, chunk);
+    return lanes8_amx_chunks<1, TB>(p, r0, m1, 0, t, next, chunk);
+  }
   if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next);
   else lanes8_amx<1, TB>(p, r0, m1, 0, t, next);
 }
@@ -1138,13 +1225,14 @@ void run(const Problem& p) {
 }
 
 // Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
-// 1) or "prefetch" (bytes ahead); the previous value back.
+// 1), "prefetch" (bytes ahead) or "finish" (groups an AMX chunk); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands and prefetch, got ", name);
+  if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch and finish, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 

@@ -25,7 +25,9 @@
 #include <omp.h>
 #endif
 
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -54,6 +56,26 @@ std::atomic<int64_t>& even_percent() {
 std::atomic<int64_t>& ahead_bytes() {
   static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AHEAD", 1 << 20, 0, int64_t{1} << 30)};
   return n;
+}
+
+// Phase times, for experiments (knob "times" 1; off by default, when a phase costs one branch): for each phase of
+// a layer, summed over layers and steps, its wall time (thread 0's, from the phase's start to the barrier's
+// release) and the threads' summed work before the barrier (their mean work against the wall: the waiting).
+// team_times() returns them in milliseconds, [phase, wall or work], and clears them.
+enum Phase : int64_t { kNormQkv, kQkv, kRope, kAttention, kRoundO, kO, kNormGateUp, kGateUp, kSilu, kDown, kPhases };
+std::atomic<int64_t>& times_on() {
+  static std::atomic<int64_t> on{0};
+  return on;
+}
+std::array<std::atomic<int64_t>, 2 * kPhases> phase_ns{};
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+at::Tensor team_times() {
+  at::Tensor t = at::empty({kPhases, 2}, at::kDouble);
+  for (int64_t i = 0; i < 2 * kPhases; ++i) t.data_ptr<double>()[i] = phase_ns[i].exchange(0) / 1e6;
+  return t;
 }
 
 // A linear of the team: its problem (x, y and the activations' rounding set to the step's buffers), the output
@@ -237,51 +259,64 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     F::Scratch scratch(heads / kv_heads, d);
     std::unique_ptr<F::LanesScratch> lanes_scratch;
     Ahead ahead;
-    auto by_rows = [&](auto&& job) {  // the small work, split by rows (one thread at a row); the others prefetch
-      const int64_t r0 = rows * tid / n, r1 = rows * (tid + 1) / n;
-      if (r0 < r1) job(r0, r1);
+    const bool timed = times_on().load(std::memory_order_relaxed) != 0;
+    int64_t started = timed ? now_ns() : 0;
+    auto done = [&](Phase phase, auto&& work) {  // a phase's work, then the barrier (the waiting threads prefetch)
+      work();
+      if (!timed) return bar.wait(ahead);
+      const int64_t worked = now_ns();
       bar.wait(ahead);
+      const int64_t released = now_ns();
+      phase_ns[2 * phase + 1].fetch_add(worked - started, std::memory_order_relaxed);
+      if (tid == 0) phase_ns[2 * phase].fetch_add(released - started, std::memory_order_relaxed);
+      started = released;
     };
-    auto share = [&](TeamLinear& now, TeamLinear* following) {  // a linear, all threads
-      now.work(tid, n);
-      if (following)
-        ahead.aim(*following, tid, n);
-      else
-        ahead = {};
-      bar.wait(ahead);
+    auto by_rows = [&](Phase phase, auto&& job) {  // the small work, split by rows (one thread at a row)
+      const int64_t r0 = rows * tid / n, r1 = rows * (tid + 1) / n;
+      done(phase, [&] {
+        if (r0 < r1) job(r0, r1);
+      });
+    };
+    auto share = [&](Phase phase, TeamLinear& now, TeamLinear* following) {  // a linear, all threads
+      done(phase, [&] {
+        now.work(tid, n);
+        if (following)
+          ahead.aim(*following, tid, n);
+        else
+          ahead = {};
+      });
     };
     ahead.aim(lin[0], tid, n);
     for (int64_t l = 0; l < layers; ++l) {
       TeamLinear &qkv = lin[4 * l], &o = lin[4 * l + 1], &gate_up = lin[4 * l + 2], &down = lin[4 * l + 3];
       TeamLinear* after = l + 1 < layers ? &lin[4 * l + 4] : nullptr;
-      by_rows([&](int64_t r0, int64_t r1) {  // input norm (the residual stream takes the last layer's output)
+      by_rows(kNormQkv, [&](int64_t r0, int64_t r1) {  // input norm (the residual stream takes the last layer's output)
         norm_rows(l == 0 ? s.res : s.x, l == 0 ? nullptr : s.res, norm1[l], s.h, r0, r1);
         I::round_rows(qkv.p, r0, r1);
       });
-      share(qkv, &o);
-      by_rows([&](int64_t r0, int64_t r1) {  // RoPE on q and k, k and v into the cache
+      share(kQkv, qkv, &o);
+      by_rows(kRope, [&](int64_t r0, int64_t r1) {  // RoPE on q and k, k and v into the cache
         const F::Rope r{s.qkv, cp, sn, s.q, kc[l], kc[l] + num_slots * kv_heads * d, slot, heads, kv_heads, d};
         for (int64_t t = r0; t < r1; ++t)
           for (int64_t h = 0; h < heads + kv_heads; ++h) F::rope_head(r, t, h);
       });
-      {
+      done(kAttention, [&] {
         const F::Attn a = F::attn_of(s.q, kc[l], num_slots, s.attn, meta, heads, kv_heads, d, block_size, scale);
         F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
-        bar.wait(ahead);
-      }
-      by_rows([&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); });
-      share(o, &gate_up);
-      by_rows([&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
+      });
+      by_rows(kRoundO, [&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); });
+      share(kO, o, &gate_up);
+      by_rows(kNormGateUp, [&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
         norm_rows(s.o, s.res, norm2[l], s.h, r0, r1);
         I::round_rows(gate_up.p, r0, r1);
       });
-      share(gate_up, &down);
-      by_rows([&](int64_t r0, int64_t r1) {
+      share(kGateUp, gate_up, &down);
+      by_rows(kSilu, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
           F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
         I::round_rows(down.p, r0, r1);
       });
-      share(down, after);
+      share(kDown, down, after);
     }
   }
   return x_out;
@@ -335,11 +370,13 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   return F::add_rms_norm(x, residual, final_norm, eps);
 }
 
-// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes); the previous value back.
+// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times); the
+// previous value back.
 int64_t knob(const std::string& name, int64_t value) {
+  if (name == "times") return times_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "even") return even_percent().exchange(std::clamp<int64_t>(value, 0, 100));
   if (name == "ahead") return ahead_bytes().exchange(std::clamp<int64_t>(value, 0, int64_t{1} << 30));
-  TORCH_CHECK(name == "team", "layer loop knobs: team, even and ahead, got ", name);
+  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead and times, got ", name);
   return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
@@ -352,4 +389,5 @@ TORCH_LIBRARY(mvllm_layers, m) {
         &decode_layers);
   m.def("knob(str name, int value) -> int", &knob);
   m.def("team_calls() -> int", [] { return team_calls.load(); });
+  m.def("team_times() -> Tensor", &team_times);
 }
