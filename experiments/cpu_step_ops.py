@@ -78,8 +78,9 @@ def phases(engine, step, steps: int) -> dict[str, float]:
 
 
 def team_phases(step, steps: int, threads: int) -> dict[str, dict[str, float]]:
-    """The team's phases (csrc/layers.cpp, knob "times" 1), ms a step: wall, and the threads' mean work before
-    each phase's barrier (wall - work is the waiting). Empty where no step ran in a team."""
+    """The team's phases (csrc/layers.cpp, knob "times" 1), ms a step: wall, the threads' mean work before each
+    phase's barrier and the slowest thread's (wall - slowest is the barrier's cost). Empty where no step ran in a
+    team."""
     from mvllm.kernels import cpu_layers
 
     if not cpu_layers.available():
@@ -91,8 +92,8 @@ def team_phases(step, steps: int, threads: int) -> dict[str, dict[str, float]]:
             step()
     finally:
         cpu_layers.knob("times", old)
-    return {k: {"wall": wall / steps, "work": work / steps / threads}
-            for k, (wall, work) in cpu_layers.team_times().items() if wall > 0}
+    return {k: {"wall": wall / steps, "work": work / steps / threads, "slowest": slowest / steps}
+            for k, (wall, work, slowest) in cpu_layers.team_times().items() if wall > 0}
 
 
 def knob_rounds(a, settings: list[str], step) -> None:
@@ -102,7 +103,8 @@ def knob_rounds(a, settings: list[str], step) -> None:
     def knob(name: str, value: int) -> int:  # the layer loop's, the attention's, or else the int8 kernel's
         if name in ("items", "token_items", "lanes"):
             return cpu_fused.attention_knob(name, value)
-        return (cpu_layers.knob if name in ("team", "even", "ahead") else cpu_int8.knob)(name, value)
+        layers = ("team", "even", "ahead", "cols", "amx_blocks")
+        return (cpu_layers.knob if name in layers else cpu_int8.knob)(name, value)
 
     def apply(setting: str) -> dict[str, int]:
         return {name: knob(name, int(value)) for name, value in (kv.split("=") for kv in setting.split(":"))}
@@ -216,8 +218,8 @@ def main() -> None:
     if split:
         print("  phases, no profiler: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " ms")
     if team:
-        print("  team phases, ms a step (wall / the threads' mean work): " + ", ".join(
-            f"{k} {v['wall']:.3f}/{v['work']:.3f}" for k, v in team.items()) +
+        print("  team phases, ms a step (wall / the threads' mean work / the slowest's): " + ", ".join(
+            f"{k} {v['wall']:.3f}/{v['work']:.3f}/{v['slowest']:.3f}" for k, v in team.items()) +
             f"; sum {sum(v['wall'] for v in team.values()):.3f}")
     if a.out:
         with open(a.out, "w") as f:

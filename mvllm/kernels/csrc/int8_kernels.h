@@ -515,9 +515,11 @@ std::atomic<int64_t>& amx_above() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
   return n;
 }
-// Groups a chunk of lanes8_amx_chunks (MVLLM_INT8_FINISH, default 1: lanes8_amx; knob("finish", n), 1-8).
+// Groups a chunk of lanes8_amx_chunks (MVLLM_INT8_FINISH, default 4; 1: lanes8_amx, a group at a time; knob("finish",
+// n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time of 1 in a warm prefill at 8 threads, 0.984x at 16,
+// 0.960x in a cold prefill of 516 tokens at 8 (same process); 8 was no better (results/profile/README.md).
 std::atomic<int64_t>& finish_groups() {
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 1, 1, 8)};
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 4, 1, 8)};
   return n;
 }
 
@@ -934,12 +936,15 @@ void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tile
       lane_rows<Lanes8>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
 
-// x rows [begin, end) -> int8 per group: x8 = round(x * (127 / absmax(group))), its scale s = absmax / 127 (0 for a
-// zero group), and the offset term 128 * sum(x8) of each row and group. The group is a multiple of 16.
-void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64_t begin, int64_t end) {
+// x rows [begin, end), groups [g0, g1) (all by default) -> int8 per group: x8 = round(x * (127 / absmax(group))),
+// its scale s = absmax / 127 (0 for a zero group), and the offset term 128 * sum(x8) of each row and group. The
+// group is a multiple of 16.
+void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64_t begin, int64_t end, int64_t g0 = 0,
+                     int64_t g1 = -1) {
   const int64_t ng = p.groups();
+  if (g1 < 0) g1 = ng;
   for (int64_t r = begin; r < end; ++r)
-    for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       const float* x = p.x + r * p.in + g * p.group;
       int8_t* out = xq + r * p.in + g * p.group;
       __m512 m = _mm512_setzero_ps();
@@ -961,7 +966,7 @@ bool amx_on(int64_t) { return false; }
 void amx_begin(int64_t) {}
 void amx_end() {}
 void lanes8(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
-void quantize_groups(const Problem&, int8_t*, float*, int32_t*, int64_t, int64_t) {}
+void quantize_groups(const Problem&, int8_t*, float*, int32_t*, int64_t, int64_t, int64_t = 0, int64_t = -1) {}
 #endif
 
 // x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
@@ -1291,6 +1296,13 @@ Problem problem_of(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 bool int16_input(const Problem& p) { return !p.q8 && (p.lanes || int16_rows(p.group)); }
 
 // Rows [r0, r1) of x rounded into the buffers p's path reads (set by the caller, which owns them).
+// The activations' groups [g0, g1) of every row rounded for lanes8 (p.q8): a split by columns of the work of
+// round_rows, the same bits.
+void round_groups(const Problem& p, int64_t g0, int64_t g1) {
+  quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), 0, p.rows,
+                  g0, g1);
+}
+
 void round_rows(const Problem& p, int64_t r0, int64_t r1) {
   if (p.q8)
     quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), r0, r1);

@@ -60,22 +60,36 @@ std::atomic<int64_t>& ahead_bytes() {
 
 // Phase times, for experiments (knob "times" 1; off by default, when a phase costs one branch): for each phase of
 // a layer, summed over layers and steps, its wall time (thread 0's, from the phase's start to the barrier's
-// release) and the threads' summed work before the barrier (their mean work against the wall: the waiting).
-// team_times() returns them in milliseconds, [phase, wall or work], and clears them.
+// release), the threads' summed work before the barrier and the slowest thread's work. team_times() returns them
+// in milliseconds, [phase, (wall, work, slowest)], and clears them.
 enum Phase : int64_t { kNormQkv, kQkv, kRope, kAttention, kRoundO, kO, kNormGateUp, kGateUp, kSilu, kDown, kPhases };
 std::atomic<int64_t>& times_on() {
   static std::atomic<int64_t> on{0};
   return on;
 }
-std::array<std::atomic<int64_t>, 2 * kPhases> phase_ns{};
+std::array<std::atomic<int64_t>, 3 * kPhases> phase_ns{};
+std::array<std::atomic<int64_t>, kPhases> slowest_now{};  // this phase's slowest work so far (thread 0 clears it)
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 at::Tensor team_times() {
-  at::Tensor t = at::empty({kPhases, 2}, at::kDouble);
-  for (int64_t i = 0; i < 2 * kPhases; ++i) t.data_ptr<double>()[i] = phase_ns[i].exchange(0) / 1e6;
+  at::Tensor t = at::empty({kPhases, 3}, at::kDouble);
+  for (int64_t i = 0; i < 3 * kPhases; ++i) t.data_ptr<double>()[i] = phase_ns[i].exchange(0) / 1e6;
   return t;
+}
+// Splits of the team's work (knobs, for same-process comparisons): "cols" 1 (MVLLM_TEAM_COLS, the default) rounds
+// a lanes8 linear's input after the attention and SiLU by columns (whole groups, every row: each thread an even
+// share), 0 by rows; "amx_blocks" (MVLLM_TEAM_AMX_BLOCKS, default 3): a linear on AMX tiles (p.block 4 tiles)
+// halves its blocks, down to 1 tile, while it has fewer than this many a thread (14 blocks of 64 outputs for 16
+// threads, 2 of them idle, in a 896-output linear).
+std::atomic<int64_t>& cols_on() {
+  static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM_COLS", 1, 0, 1)};
+  return on;
+}
+std::atomic<int64_t>& amx_blocks() {
+  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AMX_BLOCKS", 3, 0, 64)};
+  return n;
 }
 
 // A linear of the team: its problem (x, y and the activations' rounding set to the step's buffers), the output
@@ -86,6 +100,10 @@ struct TeamLinear {
   std::atomic<int64_t> next{0};  // the claimed blocks past `even`
 
   void setup(int64_t threads) {
+    if (p.amx)
+      for (const int64_t least = amx_blocks().load(std::memory_order_relaxed);
+           p.block > I::kLaneOuts && (p.out + p.block - 1) / p.block < least * threads;)
+        p.block /= 2;
     blocks = (p.out + p.block - 1) / p.block;
     even = blocks * even_percent().load(std::memory_order_relaxed) / 100 / threads * threads;  // the rest claimed
     chunk = std::max<int64_t>(1, (blocks - even) / (4 * threads));
@@ -264,17 +282,40 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     auto done = [&](Phase phase, auto&& work) {  // a phase's work, then the barrier (the waiting threads prefetch)
       work();
       if (!timed) return bar.wait(ahead);
-      const int64_t worked = now_ns();
+      const int64_t worked = now_ns() - started;
+      phase_ns[3 * phase + 1].fetch_add(worked, std::memory_order_relaxed);
+      for (int64_t most = slowest_now[phase].load(); worked > most && !slowest_now[phase].compare_exchange_weak(most, worked);) {
+      }
       bar.wait(ahead);
       const int64_t released = now_ns();
-      phase_ns[2 * phase + 1].fetch_add(worked - started, std::memory_order_relaxed);
-      if (tid == 0) phase_ns[2 * phase].fetch_add(released - started, std::memory_order_relaxed);
+      if (tid == 0) {
+        phase_ns[3 * phase].fetch_add(released - started, std::memory_order_relaxed);
+        phase_ns[3 * phase + 2].fetch_add(slowest_now[phase].exchange(0), std::memory_order_relaxed);
+      }
       started = released;
     };
     auto by_rows = [&](Phase phase, auto&& job) {  // the small work, split by rows (one thread at a row)
       const int64_t r0 = rows * tid / n, r1 = rows * (tid + 1) / n;
       done(phase, [&] {
         if (r0 < r1) job(r0, r1);
+      });
+    };
+    // Rounding a lanes8 linear's input by columns (whole groups of every row; cols_on), else by rows; with `first`,
+    // the columns' work before it (the SiLU).
+    const bool by_cols = cols_on().load(std::memory_order_relaxed) != 0;
+    auto round_input = [&](Phase phase, const TeamLinear& next, auto&& first) {
+      const I::Problem& p = next.p;
+      if (!by_cols || !p.q8) {
+        return by_rows(phase, [&](int64_t r0, int64_t r1) {
+          first(r0, r1, 0, p.in);
+          I::round_rows(p, r0, r1);
+        });
+      }
+      const int64_t ng = p.groups(), g0 = ng * tid / n, g1 = ng * (tid + 1) / n;
+      done(phase, [&] {
+        if (g0 == g1) return;
+        first(0, rows, g0 * p.group, g1 * p.group);
+        I::round_groups(p, g0, g1);
       });
     };
     auto share = [&](Phase phase, TeamLinear& now, TeamLinear* following) {  // a linear, all threads
@@ -304,17 +345,18 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
         const F::Attn a = F::attn_of(s.q, kc[l], num_slots, s.attn, meta, heads, kv_heads, d, block_size, scale);
         F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
       });
-      by_rows(kRoundO, [&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); });
+      round_input(kRoundO, o, [](int64_t, int64_t, int64_t, int64_t) {});
       share(kO, o, &gate_up);
       by_rows(kNormGateUp, [&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
         norm_rows(s.o, s.res, norm2[l], s.h, r0, r1);
         I::round_rows(gate_up.p, r0, r1);
       });
       share(kGateUp, gate_up, &down);
-      by_rows(kSilu, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r)
-          F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
-        I::round_rows(down.p, r0, r1);
+      round_input(kSilu, down, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* g = s.gate_up + r * 2 * inter;
+          F::silu_mul_row(g + c0, g + inter + c0, s.act + r * inter + c0, c1 - c0);
+        }
       });
       share(kDown, down, after);
     }
@@ -370,13 +412,15 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   return F::add_rms_norm(x, residual, final_norm, eps);
 }
 
-// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times); the
-// previous value back.
+// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times), "cols"
+// 0 or 1, "amx_blocks" (blocks a thread); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
+  if (name == "cols") return cols_on().exchange(std::clamp<int64_t>(value, 0, 1));
+  if (name == "amx_blocks") return amx_blocks().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "times") return times_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "even") return even_percent().exchange(std::clamp<int64_t>(value, 0, 100));
   if (name == "ahead") return ahead_bytes().exchange(std::clamp<int64_t>(value, 0, int64_t{1} << 30));
-  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead and times, got ", name);
+  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead, times, cols and amx_blocks, got ", name);
   return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
