@@ -79,10 +79,9 @@ def knob(name: str, value: int) -> int:
     1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op. "even": the
     percent of a linear's output blocks the team splits evenly, the rest claimed in turn (MVLLM_TEAM_EVEN, default
     75). "ahead": the bytes of its next share a thread waiting at a barrier prefetches (MVLLM_TEAM_AHEAD, 1 MB).
-    "times": 1 records the team's phase times (team_times), 0 (the default) does not. "cols": 1 (MVLLM_TEAM_COLS,
-    the default) rounds a lanes8 linear's input after the attention and the SiLU by columns, 0 by rows.
-    "amx_blocks": a linear on AMX tiles halves its output blocks (64 outputs, down to 16) while it has fewer than
-    this many a thread (MVLLM_TEAM_AMX_BLOCKS, default 3; 0 keeps 64)."""
+    "times": 1 records the team's phase times (team_times), 0 (the default) does not. "amx_blocks": a linear on
+    AMX tiles halves its output blocks (64 outputs, down to 16) while it has fewer than this many a thread
+    (MVLLM_TEAM_AMX_BLOCKS, default 6; 0 keeps 64)."""
     if not available():
         raise RuntimeError(f"no C++ layer loop here: {why_unavailable}")
     return torch.ops.mvllm_layers.knob(name, value)

@@ -515,6 +515,12 @@ std::atomic<int64_t>& amx_above() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
   return n;
 }
+// Groups ahead whose weights a pass of lanes8_amx_chunks prefetches into L1 (MVLLM_INT8_AMX_AHEAD, default 0;
+// knob("amx_ahead", n)).
+std::atomic<int64_t>& amx_ahead() {
+  static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_AHEAD", 0, 0, 64)};
+  return n;
+}
 // Groups a chunk of lanes8_amx_chunks (MVLLM_INT8_FINISH, default 4; 1: lanes8_amx, a group at a time; knob("finish",
 // n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time of 1 in a warm prefill at 8 threads, 0.984x at 16,
 // 0.960x in a cold prefill of 516 tokens at 8 (same process); 8 was no better (results/profile/README.md).
@@ -804,9 +810,16 @@ void lanes8_amx_chunks(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int
   const int8_t* x1 = x0 + m1 * in;
   alignas(64) int32_t sums[2][kMaxChunk][RB * TB][kAmxRows * kLaneOuts];
   alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
+  const int64_t ahead = amx_ahead().load(std::memory_order_relaxed) * kLaneOuts * group;
   auto products = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
     for (int64_t g = g0; g < std::min(ng, g0 + chunk); ++g) {
       int32_t (*out)[kAmxRows * kLaneOuts] = c[g - g0];
+      if (ahead)
+        for (int64_t b = 0; b < kLaneOuts * group; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + g * kLaneOuts * group + ahead + b), _MM_HINT_T0);
+          if constexpr (TB == 2)
+            _mm_prefetch(reinterpret_cast<const char*>(w1 + g * kLaneOuts * group + ahead + b), _MM_HINT_T0);
+        }
       _tile_zero(0);
       if constexpr (TB == 2) _tile_zero(1);
       if constexpr (RB == 2) _tile_zero(2);
@@ -936,15 +949,12 @@ void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tile
       lane_rows<Lanes8>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
 }
 
-// x rows [begin, end), groups [g0, g1) (all by default) -> int8 per group: x8 = round(x * (127 / absmax(group))),
-// its scale s = absmax / 127 (0 for a zero group), and the offset term 128 * sum(x8) of each row and group. The
-// group is a multiple of 16.
-void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64_t begin, int64_t end, int64_t g0 = 0,
-                     int64_t g1 = -1) {
+// x rows [begin, end) -> int8 per group: x8 = round(x * (127 / absmax(group))), its scale s = absmax / 127 (0 for a
+// zero group), and the offset term 128 * sum(x8) of each row and group. The group is a multiple of 16.
+void quantize_groups(const Problem& p, int8_t* xq, float* xs, int32_t* xc, int64_t begin, int64_t end) {
   const int64_t ng = p.groups();
-  if (g1 < 0) g1 = ng;
   for (int64_t r = begin; r < end; ++r)
-    for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t g = 0; g < ng; ++g) {
       const float* x = p.x + r * p.in + g * p.group;
       int8_t* out = xq + r * p.in + g * p.group;
       __m512 m = _mm512_setzero_ps();
@@ -966,7 +976,7 @@ bool amx_on(int64_t) { return false; }
 void amx_begin(int64_t) {}
 void amx_end() {}
 void lanes8(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
-void quantize_groups(const Problem&, int8_t*, float*, int32_t*, int64_t, int64_t, int64_t = 0, int64_t = -1) {}
+void quantize_groups(const Problem&, int8_t*, float*, int32_t*, int64_t, int64_t) {}
 #endif
 
 // x rows [begin, end) -> int16 with one scale per row: xq = round(x / s), s = absmax / 32767 (0 for a zero row).
@@ -1230,14 +1240,16 @@ void run(const Problem& p) {
 }
 
 // Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
-// 1), "prefetch" (bytes ahead) or "finish" (groups an AMX chunk); the previous value back.
+// 1), "prefetch" (bytes ahead), "finish" (groups an AMX chunk) or "amx_ahead" (groups); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
   if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch and finish, got ", name);
+  if (name == "amx_ahead") return amx_ahead().exchange(std::clamp<int64_t>(value, 0, 64));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch, finish and amx_ahead, got ",
+              name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
@@ -1296,13 +1308,6 @@ Problem problem_of(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 bool int16_input(const Problem& p) { return !p.q8 && (p.lanes || int16_rows(p.group)); }
 
 // Rows [r0, r1) of x rounded into the buffers p's path reads (set by the caller, which owns them).
-// The activations' groups [g0, g1) of every row rounded for lanes8 (p.q8): a split by columns of the work of
-// round_rows, the same bits.
-void round_groups(const Problem& p, int64_t g0, int64_t g1) {
-  quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), 0, p.rows,
-                  g0, g1);
-}
-
 void round_rows(const Problem& p, int64_t r0, int64_t r1) {
   if (p.q8)
     quantize_groups(p, const_cast<int8_t*>(p.x8), const_cast<float*>(p.x8s), const_cast<int32_t*>(p.x8c), r0, r1);

@@ -78,17 +78,12 @@ at::Tensor team_times() {
   for (int64_t i = 0; i < 3 * kPhases; ++i) t.data_ptr<double>()[i] = phase_ns[i].exchange(0) / 1e6;
   return t;
 }
-// Splits of the team's work (knobs, for same-process comparisons): "cols" 1 (MVLLM_TEAM_COLS, the default) rounds
-// a lanes8 linear's input after the attention and SiLU by columns (whole groups, every row: each thread an even
-// share), 0 by rows; "amx_blocks" (MVLLM_TEAM_AMX_BLOCKS, default 3): a linear on AMX tiles (p.block 4 tiles)
-// halves its blocks, down to 1 tile, while it has fewer than this many a thread (14 blocks of 64 outputs for 16
-// threads, 2 of them idle, in a 896-output linear).
-std::atomic<int64_t>& cols_on() {
-  static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM_COLS", 1, 0, 1)};
-  return on;
-}
+// A linear on AMX tiles (p.block 4 tiles) halves its output blocks, down to 1 tile, while it has fewer than
+// MVLLM_TEAM_AMX_BLOCKS (default 6; knob "amx_blocks") a thread: a 896-output linear has 14 blocks of 64 outputs,
+// 2 of 16 threads idle. On the H200 machine's Xeon, in a warm prefill (same process), 6 took 0.89x the time of 0
+// at 8 threads, 3 0.94x (results/profile/README.md).
 std::atomic<int64_t>& amx_blocks() {
-  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AMX_BLOCKS", 3, 0, 64)};
+  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AMX_BLOCKS", 6, 0, 64)};
   return n;
 }
 
@@ -300,24 +295,6 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
         if (r0 < r1) job(r0, r1);
       });
     };
-    // Rounding a lanes8 linear's input by columns (whole groups of every row; cols_on), else by rows; with `first`,
-    // the columns' work before it (the SiLU).
-    const bool by_cols = cols_on().load(std::memory_order_relaxed) != 0;
-    auto round_input = [&](Phase phase, const TeamLinear& next, auto&& first) {
-      const I::Problem& p = next.p;
-      if (!by_cols || !p.q8) {
-        return by_rows(phase, [&](int64_t r0, int64_t r1) {
-          first(r0, r1, 0, p.in);
-          I::round_rows(p, r0, r1);
-        });
-      }
-      const int64_t ng = p.groups(), g0 = ng * tid / n, g1 = ng * (tid + 1) / n;
-      done(phase, [&] {
-        if (g0 == g1) return;
-        first(0, rows, g0 * p.group, g1 * p.group);
-        I::round_groups(p, g0, g1);
-      });
-    };
     auto share = [&](Phase phase, TeamLinear& now, TeamLinear* following) {  // a linear, all threads
       done(phase, [&] {
         now.work(tid, n);
@@ -345,18 +322,17 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
         const F::Attn a = F::attn_of(s.q, kc[l], num_slots, s.attn, meta, heads, kv_heads, d, block_size, scale);
         F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
       });
-      round_input(kRoundO, o, [](int64_t, int64_t, int64_t, int64_t) {});
+      by_rows(kRoundO, [&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); });
       share(kO, o, &gate_up);
       by_rows(kNormGateUp, [&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
         norm_rows(s.o, s.res, norm2[l], s.h, r0, r1);
         I::round_rows(gate_up.p, r0, r1);
       });
       share(kGateUp, gate_up, &down);
-      round_input(kSilu, down, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const float* g = s.gate_up + r * 2 * inter;
-          F::silu_mul_row(g + c0, g + inter + c0, s.act + r * inter + c0, c1 - c0);
-        }
+      by_rows(kSilu, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
+        I::round_rows(down.p, r0, r1);
       });
       share(kDown, down, after);
     }
@@ -412,15 +388,14 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   return F::add_rms_norm(x, residual, final_norm, eps);
 }
 
-// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times), "cols"
-// 0 or 1, "amx_blocks" (blocks a thread); the previous value back.
+// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times),
+// "amx_blocks" (blocks a thread); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
-  if (name == "cols") return cols_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "amx_blocks") return amx_blocks().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "times") return times_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "even") return even_percent().exchange(std::clamp<int64_t>(value, 0, 100));
   if (name == "ahead") return ahead_bytes().exchange(std::clamp<int64_t>(value, 0, int64_t{1} << 30));
-  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead, times, cols and amx_blocks, got ", name);
+  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead, times and amx_blocks, got ", name);
   return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
