@@ -103,7 +103,7 @@ def knob_rounds(a, settings: list[str], step) -> None:
     def knob(name: str, value: int) -> int:  # the layer loop's, the attention's, or else the int8 kernel's
         if name in ("items", "token_items", "lanes"):
             return cpu_fused.attention_knob(name, value)
-        layers = ("team", "even", "ahead", "amx_blocks")
+        layers = ("team", "even", "ahead", "amx_blocks", "last")
         return (cpu_layers.knob if name in layers else cpu_int8.knob)(name, value)
 
     def apply(setting: str) -> dict[str, int]:

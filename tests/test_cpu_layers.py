@@ -166,42 +166,47 @@ def test_the_team_takes_the_portable_layout(path):
 
 
 def test_a_warm_prefill_in_one_team_matches_a_region_an_op():
-    """A warm prefill (12 new tokens after 40 cached) whose last layer computes only its last row: the layers before
-    it run in the team, the last one op by op; bitwise the per-op loop's, caches too, whatever the output blocks of a
-    linear on AMX tiles."""
+    """A warm prefill (12 new tokens after 40 cached) beside a fresh 5-token prompt, the last layer computing only
+    each one's last row: every layer runs in the team (the last on those 2 rows past its KV write), or the last op by
+    op (knob "last" 0); bitwise the per-op loop's, caches too, whatever the output blocks of a linear on AMX tiles."""
     from mvllm.model.attention import build_meta
 
     if cpu_int8.layout() not in ("lanes", "lanes8"):
-        pytest.skip("a 12-token step takes the C++ loop in the lanes layouts only (weights [out, in] leave steps of "
+        pytest.skip("a 17-token step takes the C++ loop in the lanes layouts only (weights [out, in] leave steps of "
                     f"more than {quant.PACKED_MAX_ROWS} tokens to the GEMM); here the kernel has {cpu_int8.layout()!r}")
     e = engine("synthetic:tiny-llama")
     seq = [(11 * k) % 500 + 1 for k in range(52)]
+    fresh = [(13 * k) % 400 + 3 for k in range(5)]
     for cache in e.runner.caches:
         cache.zero_()
     hidden_rows(e, [(seq[:40], 0)])
     before = [c.clone() for c in e.runner.caches]
 
     def warm():
-        meta = build_meta([(40, 52)], [list(range(8))], e.config.block_size, torch.device("cpu"), e.runner.layout)
-        meta.out_rows = torch.tensor([11])
+        meta = build_meta([(40, 52), (0, 5)], [list(range(8)), list(range(8, 12))], e.config.block_size,
+                          torch.device("cpu"), e.runner.layout)
+        meta.out_rows = torch.tensor([11, 16])
         with torch.inference_mode():
-            return e.model(torch.tensor(seq[40:]), torch.arange(40, 52), e.runner.caches, meta).clone()
+            return e.model(torch.tensor(seq[40:] + fresh), torch.cat([torch.arange(40, 52), torch.arange(5)]),
+                           e.runner.caches, meta).clone()
 
     calls = cpu_layers.team_calls()
     team = warm()
-    assert cpu_layers.team_calls() == calls + 1 and team.shape[0] == 1
+    assert cpu_layers.team_calls() == calls + 1 and team.shape[0] == 2
     team_cache = [c.clone() for c in e.runner.caches]
     for cache, saved in zip(e.runner.caches, before):
         cache.copy_(saved)
     assert torch.equal(team, per_op(warm))
     for t, o in zip(team_cache, e.runner.caches):
         assert torch.equal(t, o)
-    old = cpu_layers.knob("amx_blocks", 0)
+    old = cpu_layers.knob("amx_blocks", 0), cpu_layers.knob("last", 1)
     try:
-        for blocks in (0, 1, 64):
-            cpu_layers.knob("amx_blocks", blocks)
+        for blocks, last in ((0, 1), (1, 1), (64, 1), (6, 0)):
+            cpu_layers.knob("amx_blocks", blocks), cpu_layers.knob("last", last)
             for cache, saved in zip(e.runner.caches, before):
                 cache.copy_(saved)
-            assert torch.equal(warm(), team), blocks
+            assert torch.equal(warm(), team), (blocks, last)
+            for t, o in zip(team_cache, e.runner.caches):
+                assert torch.equal(t, o), (blocks, last)
     finally:
-        cpu_layers.knob("amx_blocks", old)
+        cpu_layers.knob("amx_blocks", old[0]), cpu_layers.knob("last", old[1])

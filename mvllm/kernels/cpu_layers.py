@@ -3,7 +3,7 @@ model/cpu_forward.py's Python loop, in the same order, called directly, so a dec
 dispatcher between its ~220 ops. Steps of up to 64 tokens (decode, a warm prefill; weights in the lanes layouts or
 [out, in], the portable path's) run their layers in one team of threads that meet at spin barriers (one OpenMP
 region a step, not one an op), the waiting threads prefetching their share of the next linear's weights; a last
-layer that trims its rows (out_rows) runs op by op. `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either
+layer that trims its rows (out_rows: a prefill's last row past the KV write) does so in the team too. `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either
 way (tests/test_cpu_layers.py).
 
 `Layers.of(model)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs them for
@@ -79,7 +79,8 @@ def knob(name: str, value: int) -> int:
     1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op. "even": the
     percent of a linear's output blocks the team splits evenly, the rest claimed in turn (MVLLM_TEAM_EVEN, default
     75). "ahead": the bytes of its next share a thread waiting at a barrier prefetches (MVLLM_TEAM_AHEAD, 1 MB).
-    "times": 1 records the team's phase times (team_times), 0 (the default) does not. "amx_blocks": a linear on
+    "times": 1 records the team's phase times (team_times), 0 (the default) does not. "last": 1 (MVLLM_TEAM_LAST,
+    the default) runs a last layer that trims its rows in the team, 0 op by op. "amx_blocks": a linear on
     AMX tiles halves its output blocks (64 outputs, down to 16) while it has fewer than this many a thread
     (MVLLM_TEAM_AMX_BLOCKS, default 6; 0 keeps 64)."""
     if not available():

@@ -5,8 +5,8 @@
 // Steps of up to kTeamRows tokens (decode, a warm prefill; the weights in any layout the kernel has: lanes8, lanes or
 // [out, in], the last the portable path's, an Apple M2's) run their layers in one team of threads (one OpenMP region a
 // step) instead of a region an op: the threads split the small work (norms and the activations' rounding, RoPE, SiLU)
-// by rows, share each linear and the attention, and meet at spin barriers. With out_rows the last layer, which computes
-// only those rows past its KV write, runs op by op. A linear's output blocks are mostly split evenly, the rest claimed
+// by rows, share each linear and the attention, and meet at spin barriers. With out_rows the last layer computes only
+// those rows past its KV write (a warm prefill's last row), in the team too. A linear's output blocks are mostly split evenly, the rest claimed
 // in turn (a thread the host slows takes fewer); a thread waiting at a barrier prefetches (into its L2) the start of
 // its even share of the next linear, so the memory works through the small work and the barriers. On the H200 machine's
 // Xeon a decode step took 0.76-0.84x the time of a region an op, same process (results/profile/README.md). Every result
@@ -46,7 +46,11 @@ std::atomic<int64_t>& team_on() {
   static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM", 1, 0, 1)};
   return on;
 }
-std::atomic<int64_t> team_calls{0};  // calls the team ran (tests ask which path a step took)
+std::atomic<int64_t> team_calls{0};
+std::atomic<int64_t>& team_last() {  // a last layer that trims its rows runs in the team (1) or op by op (0)
+  static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM_LAST", 1, 0, 1)};
+  return on;
+}  // calls the team ran (tests ask which path a step took)
 // Knobs for same-process experiments: the share of a linear's blocks split evenly (percent; MVLLM_TEAM_EVEN,
 // default 75) and the bytes a waiting thread prefetches of its next share (MVLLM_TEAM_AHEAD, default 1 MB).
 std::atomic<int64_t>& even_percent() {
@@ -162,11 +166,16 @@ bool team_fits(const std::vector<Opt>& w, int64_t layers, int64_t rows) {
 }
 
 // Layers [0, layers) in one team: x_in (the embeddings) becomes the residual stream, as in the per-op loop, and the
-// last layer's output (its down projection's) is returned, before its residual add.
-at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const at::TensorList caches,
-                       int64_t layers, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                       const at::Tensor& block_table, const at::Tensor& seq_of_token, const at::Tensor& key_len,
-                       int64_t block_size, double scale, int64_t heads, int64_t kv_heads, double eps) {
+// last layer's output (its down projection's) is returned, before its residual add, with the residual stream it
+// adds to. With out_rows (and those rows' seq_out and len_out), the last layer computes only those rows past its
+// KV-cache write, as the per-op loop does: both returned tensors have those rows alone.
+std::pair<at::Tensor, at::Tensor> team_layers(const at::Tensor& x_in, const std::vector<Opt>& w,
+                                              const at::TensorList caches, int64_t layers, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& slots,
+                                              const at::Tensor& block_table, const at::Tensor& seq_of_token,
+                                              const at::Tensor& key_len, int64_t block_size, double scale,
+                                              int64_t heads, int64_t kv_heads, double eps, const Opt& out_rows,
+                                              const Opt& seq_out, const Opt& len_out) {
   auto get = [&](int64_t layer, int64_t k) -> const at::Tensor& { return *w[layer * kPerLayer + k]; };
   F::check_float(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "x: expected [T, hidden], got ", x_in.sizes());
@@ -182,6 +191,22 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   }
   const F::AttnMeta meta = F::attn_meta(block_table, seq_of_token, key_len, rows, block_size, num_slots);
   const int64_t* slot = slots.data_ptr<int64_t>();
+  // The last layer's rows past its KV write: each row's place among them (-1: not computed).
+  const bool trim = out_rows.has_value();
+  const int64_t n_out = trim ? out_rows->numel() : rows;
+  std::vector<int64_t> place(rows, trim ? -1 : 0);
+  if (trim) {
+    TORCH_CHECK(out_rows->scalar_type() == at::kLong && out_rows->dim() == 1 && n_out >= 1,
+                "out_rows: expected int64 [n], got ", out_rows->scalar_type(), " ", out_rows->sizes());
+    const at::Tensor idx = out_rows->contiguous();
+    for (int64_t i = 0; i < n_out; ++i) {
+      const int64_t t = idx.data_ptr<int64_t>()[i];
+      TORCH_CHECK(t >= 0 && t < rows && place[t] < 0, "out_rows[", i, "] = ", t, ": out of range [0, ", rows,
+                  ") or repeated");
+      place[t] = i;
+    }
+  }
+  const F::AttnMeta meta_out = trim ? F::attn_meta(block_table, *seq_out, *len_out, n_out, block_size, num_slots) : meta;
 
   const auto f32 = x_in.options();
   Buffers s;
@@ -201,6 +226,8 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   at::Tensor x_out = at::empty({rows, hidden}, f32);  // each layer's output (down's)
   s.x = x_out.data_ptr<float>();
   s.res = x_in.data_ptr<float>();  // the residual stream, in place in x as the per-op loop keeps it
+  at::Tensor res_out = trim ? at::empty({n_out, hidden}, f32) : x_in;  // the last layer's residual rows
+  float* q_out = trim ? static_cast<float*>(buf(n_out * heads * d)) : nullptr;  // and its queries
   s.x8 = static_cast<int8_t*>(buf(rows * widest, at::kChar));
   s.xs = static_cast<float*>(buf(rows * (widest / group + 1)));
   s.xc = static_cast<int32_t*>(buf(rows * (widest / group + 1), at::kInt));
@@ -211,9 +238,9 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
   const at::Tensor h_in = at::from_blob(s.h, {rows, hidden}, f32);
   const at::Tensor attn_in = at::from_blob(s.attn, {rows, heads * d}, f32);
   const at::Tensor act_in = at::from_blob(s.act, {rows, inter}, f32);
-  std::vector<TeamLinear> lin(4 * layers);  // qkv, o, gate_up, down a layer
+  std::vector<TeamLinear> lin(4 * layers + 3);  // qkv, o, gate_up, down a layer; the trimmed last o, gate_up, down
   auto linear = [&](int64_t i, const at::Tensor& x, float* y, int64_t kq, int64_t ks, const Opt& bias, int64_t out) {
-    const int64_t l = i / 4;
+    const int64_t l = std::min(i / 4, layers - 1);
     I::Problem& p = lin[i].p;
     p = I::problem_of(x, get(l, kq), get(l, ks), bias);
     TORCH_CHECK(p.group == group && p.out == out, "layer ", l, ": a linear of ", p.out, " outputs (", out,
@@ -239,6 +266,13 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     norm1[l] = get(l, kNorm1).data_ptr<float>(), norm2[l] = get(l, kNorm2).data_ptr<float>();
     kc[l] = caches[l].data_ptr<float>();
   }
+  if (trim) {  // the last layer's linears past its KV write, on its n_out rows (the buffers' first rows)
+    const int64_t l = layers - 1;
+    linear(4 * layers, at::from_blob(s.attn, {n_out, heads * d}, f32), s.o, kOQ, kOS, w[l * kPerLayer + kOB], hidden);
+    linear(4 * layers + 1, at::from_blob(s.h, {n_out, hidden}, f32), s.gate_up, kGateUpQ, kGateUpS, std::nullopt,
+           2 * inter);
+    linear(4 * layers + 2, at::from_blob(s.act, {n_out, inter}, f32), s.x, kDownQ, kDownS, std::nullopt, hidden);
+  }
 
   // The attention's plan (the same every layer), its partials, and each layer's counters.
   F::AttnPlan plan;
@@ -250,6 +284,13 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     if (plan.split) F::reset_left(plan, left.data() + l * n_pairs);
     next_item[l].store(0, std::memory_order_relaxed);
   }
+  F::AttnPlan plan_out;  // the trimmed last layer's, planned as its op plans it
+  if (trim) F::plan_attention(plan_out, n_out, meta_out, block_size, heads, kv_heads, d, threads);
+  float* partials_out = trim && plan_out.split ? static_cast<float*>(buf(
+                            static_cast<int64_t>(plan_out.items.size()) * plan_out.stride)) : nullptr;
+  std::vector<std::atomic<int64_t>> left_out(trim ? plan_out.pairs.size() : 0);
+  std::atomic<int64_t> next_out{0};
+  if (trim && plan_out.split) F::reset_left(plan_out, left_out.data());
   const float *cp = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
 
   mvllm::Barrier bar;
@@ -289,8 +330,9 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
       }
       started = released;
     };
-    auto by_rows = [&](Phase phase, auto&& job) {  // the small work, split by rows (one thread at a row)
-      const int64_t r0 = rows * tid / n, r1 = rows * (tid + 1) / n;
+    auto by_rows = [&](Phase phase, auto&& job, int64_t count = -1) {  // the small work, split by rows
+      if (count < 0) count = rows;
+      const int64_t r0 = count * tid / n, r1 = count * (tid + 1) / n;
       done(phase, [&] {
         if (r0 < r1) job(r0, r1);
       });
@@ -306,8 +348,11 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
     };
     ahead.aim(lin[0], tid, n);
     for (int64_t l = 0; l < layers; ++l) {
-      TeamLinear &qkv = lin[4 * l], &o = lin[4 * l + 1], &gate_up = lin[4 * l + 2], &down = lin[4 * l + 3];
+      const bool last_trim = trim && l == layers - 1;  // its rows past the KV write: out_rows alone
+      const int64_t k = last_trim ? 4 * layers - 1 : 4 * l;  // o, gate_up, down at k + 1, k + 2, k + 3
+      TeamLinear &qkv = lin[4 * l], &o = lin[k + 1], &gate_up = lin[k + 2], &down = lin[k + 3];
       TeamLinear* after = l + 1 < layers ? &lin[4 * l + 4] : nullptr;
+      const int64_t m = last_trim ? n_out : rows;
       by_rows(kNormQkv, [&](int64_t r0, int64_t r1) {  // input norm (the residual stream takes the last layer's output)
         norm_rows(l == 0 ? s.res : s.x, l == 0 ? nullptr : s.res, norm1[l], s.h, r0, r1);
         I::round_rows(qkv.p, r0, r1);
@@ -315,34 +360,47 @@ at::Tensor team_layers(const at::Tensor& x_in, const std::vector<Opt>& w, const 
       share(kQkv, qkv, &o);
       by_rows(kRope, [&](int64_t r0, int64_t r1) {  // RoPE on q and k, k and v into the cache
         const F::Rope r{s.qkv, cp, sn, s.q, kc[l], kc[l] + num_slots * kv_heads * d, slot, heads, kv_heads, d};
-        for (int64_t t = r0; t < r1; ++t)
+        for (int64_t t = r0; t < r1; ++t) {
           for (int64_t h = 0; h < heads + kv_heads; ++h) F::rope_head(r, t, h);
+          if (last_trim && place[t] >= 0) {  // the row's query and residual to its place among out_rows
+            std::copy_n(s.q + t * heads * d, heads * d, q_out + place[t] * heads * d);
+            std::copy_n(s.res + t * hidden, hidden, res_out.data_ptr<float>() + place[t] * hidden);
+          }
+        }
       });
       done(kAttention, [&] {
-        const F::Attn a = F::attn_of(s.q, kc[l], num_slots, s.attn, meta, heads, kv_heads, d, block_size, scale);
-        F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
+        if (last_trim) {
+          const F::Attn a = F::attn_of(q_out, kc[l], num_slots, s.attn, meta_out, heads, kv_heads, d, block_size,
+                                       scale);
+          F::run_items(a, plan_out, partials_out, left_out.data(), next_out, scratch, lanes_scratch);
+        } else {
+          const F::Attn a = F::attn_of(s.q, kc[l], num_slots, s.attn, meta, heads, kv_heads, d, block_size, scale);
+          F::run_items(a, plan, s.partials, left.data() + l * n_pairs, next_item[l], scratch, lanes_scratch);
+        }
       });
-      by_rows(kRoundO, [&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); });
+      float* res = last_trim ? res_out.data_ptr<float>() : s.res;
+      by_rows(kRoundO, [&](int64_t r0, int64_t r1) { I::round_rows(o.p, r0, r1); }, m);
       share(kO, o, &gate_up);
       by_rows(kNormGateUp, [&](int64_t r0, int64_t r1) {  // the residual add and post-attention norm
-        norm_rows(s.o, s.res, norm2[l], s.h, r0, r1);
+        norm_rows(s.o, res, norm2[l], s.h, r0, r1);
         I::round_rows(gate_up.p, r0, r1);
-      });
+      }, m);
       share(kGateUp, gate_up, &down);
       by_rows(kSilu, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
           F::silu_mul_row(s.gate_up + r * 2 * inter, s.gate_up + r * 2 * inter + inter, s.act + r * inter, inter);
         I::round_rows(down.p, r0, r1);
-      });
+      }, m);
       share(kDown, down, after);
     }
   }
-  return x_out;
+  return {trim ? x_out.narrow(0, 0, n_out) : x_out, res_out};
 }
 
 // x [T, hidden] (the embeddings) through every layer and the final norm; the caches written at `slots`. With
 // out_rows (the rows the LM head reads: each prefill's last), the last layer computes only those rows past its
-// KV-cache write, and only they are returned.
+// KV-cache write, and only they are returned; in the team too, unless knob "last" is 0 (MVLLM_TEAM_LAST=0): then
+// that last layer runs op by op.
 at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, const at::TensorList caches,
                          const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_of_token,
@@ -359,12 +417,17 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   at::Tensor x = x_in;
   Opt residual;  // none before the first layer: the first norm's residual is x itself
   int64_t first = 0;  // the first layer run op by op
-  const int64_t team = out_rows ? layers - 1 : layers;  // a last layer that trims its rows runs op by op
+  const bool last_in_team = !out_rows || team_last().load(std::memory_order_relaxed);
+  const int64_t team = last_in_team ? layers : layers - 1;
   if (team > 0 && team_fits(w, team, x_in.size(0))) {
     team_calls.fetch_add(1, std::memory_order_relaxed);
-    x = team_layers(x_in, w, caches, team, cos, sin, slots, block_table, seq_of_token, key_len, block_size, scale,
-                    heads, kv_heads, eps);
-    residual = x_in, first = team;
+    Opt rows, seq_out, len_out;  // the last layer's rows past its KV write, where the team trims them
+    if (out_rows && team == layers) {
+      rows = *out_rows, seq_out = seq_of_token.index_select(0, *out_rows), len_out = key_len.index_select(0, *out_rows);
+    }
+    auto [out, res] = team_layers(x_in, w, caches, team, cos, sin, slots, block_table, seq_of_token, key_len,
+                                  block_size, scale, heads, kv_heads, eps, rows, seq_out, len_out);
+    x = out, residual = res, first = team;
   }
   for (int64_t l = first; l < layers; ++l) {
     const at::Tensor h = F::add_rms_norm(x, residual, get(l, kNorm1), eps);
@@ -389,13 +452,14 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
 }
 
 // Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times),
-// "amx_blocks" (blocks a thread); the previous value back.
+// "amx_blocks" (blocks a thread), "last" 0 or 1; the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
+  if (name == "last") return team_last().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "amx_blocks") return amx_blocks().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "times") return times_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "even") return even_percent().exchange(std::clamp<int64_t>(value, 0, 100));
   if (name == "ahead") return ahead_bytes().exchange(std::clamp<int64_t>(value, 0, int64_t{1} << 30));
-  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead, times and amx_blocks, got ", name);
+  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead, times, amx_blocks and last, got ", name);
   return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
