@@ -515,14 +515,14 @@ std::atomic<int64_t>& amx_above() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
   return n;
 }
-// Groups ahead whose weights a pass of lanes8_amx_chunks prefetches into L1 (MVLLM_INT8_AMX_AHEAD, default 0;
+// Groups ahead whose weights a pass of lanes8_amx prefetches into L1 (MVLLM_INT8_AMX_AHEAD, default 0;
 // knob("amx_ahead", n)).
 std::atomic<int64_t>& amx_ahead() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_AHEAD", 0, 0, 64)};
   return n;
 }
-// Groups a chunk of lanes8_amx_chunks (MVLLM_INT8_FINISH, default 4; 1: lanes8_amx, a group at a time; knob("finish",
-// n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time of 1 in a warm prefill at 8 threads, 0.984x at 16,
+// Groups whose AMX products lanes8_amx finishes together (MVLLM_INT8_FINISH, default 4; 1: a group at a time, the
+// totals loaded and stored each group; knob("finish", n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time of 1 in a warm prefill at 8 threads, 0.984x at 16,
 // 0.960x in a cold prefill of 516 tokens at 8 (same process); 8 was no better (results/profile/README.md).
 std::atomic<int64_t>& finish_groups() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 4, 1, 8)};
@@ -730,78 +730,12 @@ void amx_end() {
 }
 
 // Rows [r0, r0 + m1 + m2) x tiles [t, t + TB), in RB A tiles of m1 and m2 rows (RB 2, or 1 with m2 = 0, each at
-// most 16; the tiles configured so) and TB 1 or 2: each group's RB x TB products go to sum tiles 0-3 and are stored;
-// the float steps of a group run after the next group's products are issued, so the tiles and the vector units work
-// at once. The totals stay in `total` (L1) between groups.
+// most 16; the tiles configured so) and TB 1 or 2: each group's RB x TB products go to sum tiles 0-3 and are
+// stored, a chunk of `chunk` groups at a time; then each row's totals are loaded once, take the chunk's groups in
+// order in registers (the float steps of lanes8_block, so the same bits), and are stored once. The next chunk's
+// products are issued before a chunk's float steps, so the tiles and the vector units work at once.
 template <int RB, int TB>
-void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t, const Stage& next) {
-  const int64_t ng = p.groups(), in = p.in, group = p.group, m[2] = {m1, m2};
-  const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
-  const uint8_t* w1 = w0 + kLaneOuts * in;
-  const int8_t* x0 = p.x8 + r0 * in;
-  const int8_t* x1 = x0 + m1 * in;
-  alignas(64) int32_t sums[2][RB * TB][kAmxRows * kLaneOuts];
-  alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
-  auto products = [&](int64_t g, int32_t (*c)[kAmxRows * kLaneOuts]) {
-    _tile_zero(0);
-    if constexpr (TB == 2) _tile_zero(1);
-    if constexpr (RB == 2) _tile_zero(2);
-    if constexpr (RB == 2 && TB == 2) _tile_zero(3);
-    _tile_loadd(4, x0 + g * group, in);
-    if constexpr (RB == 2) _tile_loadd(5, x1 + g * group, in);
-    _tile_loadd(6, w0 + g * kLaneOuts * group, 64);
-    if constexpr (TB == 2) _tile_loadd(7, w1 + g * kLaneOuts * group, 64);
-    _tile_dpbsud(0, 4, 6);
-    if constexpr (TB == 2) _tile_dpbsud(1, 4, 7);
-    if constexpr (RB == 2) _tile_dpbsud(2, 5, 6);
-    if constexpr (RB == 2 && TB == 2) _tile_dpbsud(3, 5, 7);
-    _tile_stored(0, c[0], 64);
-    if constexpr (TB == 2) _tile_stored(1, c[1], 64);
-    if constexpr (RB == 2) _tile_stored(2, c[TB], 64);
-    if constexpr (RB == 2 && TB == 2) _tile_stored(3, c[3], 64);
-  };
-  auto finish = [&](int64_t g, int32_t (*c)[kAmxRows * kLaneOuts]) {  // the float steps of lanes8_block
-    __m512 s[TB];
-    for (int j = 0; j < TB; ++j)
-      s[j] = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales16 + ((t + j) * ng + g) * kLaneOuts)));
-    for (int i = 0; i < RB; ++i)
-      for (int64_t r = 0; r < m[i]; ++r) {  // a row's offset and scale broadcast once for its TB tiles
-        const int64_t row = r0 + i * m1 + r;
-        const __m512i off = _mm512_set1_epi32(p.x8c[row * ng + g]);
-        const __m512 xs = _mm512_set1_ps(p.x8s[row * ng + g]);
-        for (int j = 0; j < TB; ++j) {
-          const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[i * TB + j] + r * kLaneOuts), off);
-          float* tot = total[i * kAmxRows + r] + j * kLaneOuts;
-          const __m512 scale = _mm512_mul_ps(s[j], xs);
-          _mm512_store_ps(tot, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, _mm512_load_ps(tot)));
-        }
-      }
-  };
-  products(0, sums[0]);
-  next.group(0);
-  for (int64_t g = 1; g < ng; ++g) {
-    products(g, sums[g & 1]);
-    next.group(g);
-    finish(g - 1, sums[(g - 1) & 1]);
-  }
-  finish(ng - 1, sums[(ng - 1) & 1]);
-  for (int i = 0; i < RB; ++i)
-    for (int64_t r = 0; r < m[i]; ++r)
-      for (int j = 0; j < TB; ++j) {
-        __m512 v = _mm512_load_ps(total[i * kAmxRows + r] + j * kLaneOuts);
-        if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
-        _mm512_storeu_ps(p.y + (r0 + i * m1 + r) * p.out + (t + j) * kLaneOuts, v);
-      }
-}
-
-// lanes8_amx with the float steps of `chunk` groups at a time: the chunk's products are all stored first, then
-// each row's totals are loaded once, take the chunk's groups in order in registers, and are stored once (not once
-// a group). The same float steps in the same order: the same bits. The next chunk's products are issued before a
-// chunk's float steps, so the tiles and the vector units work at once.
-template <int RB, int TB>
-void lanes8_amx_chunks(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t, const Stage& next,
-                       int64_t chunk) {
+void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t, const Stage& next, int64_t chunk) {
   constexpr int64_t kMaxChunk = 8;
   const int64_t ng = p.groups(), in = p.in, group = p.group, m[2] = {m1, m2};
   const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
@@ -884,12 +818,9 @@ template <int TB>
 void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
   const int64_t m1 = std::min(rows, kAmxRows), m2 = rows - m1;
   amx_configure(m1, m2);
-  if (const int64_t chunk = finish_groups().load(std::memory_order_relaxed); chunk > 1) {
-    if (m2) return lanes8_amx_chunks<2, TB>(p, r0, m1, m2, t, next, chunk);
-    return lanes8_amx_chunks<1, TB>(p, r0, m1, 0, t, next, chunk);
-  }
-  if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next);
-  else lanes8_amx<1, TB>(p, r0, m1, 0, t, next);
+  const int64_t chunk = finish_groups().load(std::memory_order_relaxed);
+  if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next, chunk);
+  else lanes8_amx<1, TB>(p, r0, m1, 0, t, next, chunk);
 }
 
 // Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 32 rows over blocks of 2 tiles (then 1).
