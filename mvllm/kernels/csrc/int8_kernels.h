@@ -522,8 +522,9 @@ std::atomic<int64_t>& amx_ahead() {
   return n;
 }
 // Groups whose AMX products lanes8_amx finishes together (MVLLM_INT8_FINISH, default 4; 1: a group at a time, the
-// totals loaded and stored each group; knob("finish", n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time of 1 in a warm prefill at 8 threads, 0.984x at 16,
-// 0.960x in a cold prefill of 516 tokens at 8 (same process); 8 was no better (results/profile/README.md).
+// totals loaded and stored each group; knob("finish", n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time
+// of 1 in a warm prefill at 8 threads, 0.984x at 16, 0.960x in a cold prefill of 516 tokens at 8 (same process); 8
+// was no better (results/profile/README.md).
 std::atomic<int64_t>& finish_groups() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 4, 1, 8)};
   return n;

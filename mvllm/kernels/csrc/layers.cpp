@@ -6,8 +6,8 @@
 // [out, in], the last the portable path's, an Apple M2's) run their layers in one team of threads (one OpenMP region a
 // step) instead of a region an op: the threads split the small work (norms and the activations' rounding, RoPE, SiLU)
 // by rows, share each linear and the attention, and meet at spin barriers. With out_rows the last layer computes only
-// those rows past its KV write (a warm prefill's last row), in the team too. A linear's output blocks are mostly split evenly, the rest claimed
-// in turn (a thread the host slows takes fewer); a thread waiting at a barrier prefetches (into its L2) the start of
+// those rows past its KV write (a warm prefill's last row), in the team too. A linear's output blocks are mostly
+// split evenly, the rest claimed in turn (a thread the host slows takes fewer); a thread waiting at a barrier prefetches (into its L2) the start of
 // its even share of the next linear, so the memory works through the small work and the barriers. On the H200 machine's
 // Xeon a decode step took 0.76-0.84x the time of a region an op, same process (results/profile/README.md). Every result
 // is bitwise the per-op loop's: the same kernels on the same rows, the attention's items planned as its op plans them.
@@ -206,7 +206,8 @@ std::pair<at::Tensor, at::Tensor> team_layers(const at::Tensor& x_in, const std:
       place[t] = i;
     }
   }
-  const F::AttnMeta meta_out = trim ? F::attn_meta(block_table, *seq_out, *len_out, n_out, block_size, num_slots) : meta;
+  const F::AttnMeta meta_out =
+      trim ? F::attn_meta(block_table, *seq_out, *len_out, n_out, block_size, num_slots) : meta;
 
   const auto f32 = x_in.options();
   Buffers s;
@@ -320,7 +321,8 @@ std::pair<at::Tensor, at::Tensor> team_layers(const at::Tensor& x_in, const std:
       if (!timed) return bar.wait(ahead);
       const int64_t worked = now_ns() - started;
       phase_ns[3 * phase + 1].fetch_add(worked, std::memory_order_relaxed);
-      for (int64_t most = slowest_now[phase].load(); worked > most && !slowest_now[phase].compare_exchange_weak(most, worked);) {
+      std::atomic<int64_t>& slowest = slowest_now[phase];
+      for (int64_t most = slowest.load(); worked > most && !slowest.compare_exchange_weak(most, worked);) {
       }
       bar.wait(ahead);
       const int64_t released = now_ns();
