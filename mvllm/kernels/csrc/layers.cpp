@@ -7,11 +7,12 @@
 // step) instead of a region an op: the threads split the small work (norms and the activations' rounding, RoPE, SiLU)
 // by rows, share each linear and the attention, and meet at spin barriers. With out_rows the last layer computes only
 // those rows past its KV write (a warm prefill's last row), in the team too. A linear's output blocks are mostly
-// split evenly, the rest claimed in turn (a thread the host slows takes fewer); a thread waiting at a barrier prefetches (into its L2) the start of
-// its even share of the next linear, so the memory works through the small work and the barriers. On the H200 machine's
-// Xeon a decode step took 0.76-0.84x the time of a region an op, same process (results/profile/README.md). Every result
-// is bitwise the per-op loop's: the same kernels on the same rows, the attention's items planned as its op plans them.
-// MVLLM_TEAM=0 (knob "team" 0) keeps a region an op, for same-process comparisons.
+// split evenly, the rest claimed in turn (a thread the host slows takes fewer); a thread waiting at a barrier
+// prefetches (into its L2) the start of its even share of the next linear, so the memory works through the small
+// work and the barriers. On the H200 machine's Xeon a decode step took 0.76-0.84x the time of a region an op, same
+// process (results/profile/README.md). Every result is bitwise the per-op loop's: the same kernels on the same rows,
+// the attention's items planned as its op plans them. MVLLM_TEAM=0 (knob "team" 0) keeps a region an op, for
+// same-process comparisons.
 
 #include "barrier.h"
 #include "fused_kernels.h"
