@@ -7,7 +7,12 @@ MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM
 with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
-        [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--knobs chunks=0,chunks=8] [--out FILE]
+        [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--knobs chunks=0,chunks=8] [--layers 1]
+        [--out FILE]
+
+--layers 1 gives every layer the first layer's weights (one layer's 15 MB for qwen2.5-0.5b, a thread's share of it
+in its L2 at 8 or more threads): the kernel's time with its weights mostly in cache, against the default, where they
+stream from memory. At 20 rows against 1 row, it tells the float steps' cost from the weights' reading.
 
 --memory plain,huge,plain packs the weights once per name (huge: cpu_int8.huge_empty's 2 MB pages; plain: 4 KB
 pages) and times the copies in turn, a step each, --repeats times, in one process: each copy's median against the
@@ -59,11 +64,13 @@ class Wide:
         return self.gemm(x.to(self.dtype)).float()
 
 
-def random_weights(model: str) -> list[torch.Tensor]:
-    """Every linear of a decode step of `model`'s shapes, each layer its own, and the LM head: float32, seed 0."""
+def random_weights(model: str, distinct: int = 0) -> list[torch.Tensor]:
+    """Every linear of a decode step of `model`'s shapes, each layer its own (or the first `distinct` layers' over
+    and over), and the LM head: float32, seed 0."""
     layer, layers, vocab = shapes(model)
     torch.manual_seed(0)
-    return [torch.randn(o, i) * 0.02 for _ in range(layers) for o, i in layer] + [torch.randn(vocab, layer[1][1]) * 0.02]
+    own = [[torch.randn(o, i) * 0.02 for o, i in layer] for _ in range(min(distinct or layers, layers))]
+    return [w for k in range(layers) for w in own[k % len(own)]] + [torch.randn(vocab, layer[1][1]) * 0.02]
 
 
 def step_ms(fns, repeats: int) -> float:
@@ -89,6 +96,8 @@ def main() -> None:
     ap.add_argument("--paths", help="kernel paths to compare, one process each (MVLLM_INT8_PATH)")
     ap.add_argument("--memory", help="copies of the packed weights to time in turn: plain,huge,... (lanes layouts)")
     ap.add_argument("--knobs", help="kernel knob settings to time in turn: chunks=0,chunks=8:stage=0,...")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="distinct layers of weights, repeated over the model's (1: one layer's, mostly in cache)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.knobs:
@@ -101,7 +110,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     if not cpu_int8.available():
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
-    weights = random_weights(a.model)
+    weights = random_weights(a.model, a.layers)
     quantized = [cpu_int8.quantize_weight(w) for w in weights]
     gemms = []
     if a.gemm:
@@ -141,7 +150,7 @@ def memory(a) -> None:
         torch.set_num_threads(a.threads)
     if not cpu_int8.packs():
         raise SystemExit("--memory: the kernel here packs no lanes layout")
-    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model)]
+    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model, a.layers)]
     names = a.memory.split(",")
     if set(names) - {"plain", "huge"}:
         raise SystemExit(f"--memory: plain or huge, got {a.memory}")
@@ -189,7 +198,7 @@ def knobs(a) -> None:
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
     names = a.knobs.split(",")
     settings = [[(k, int(v)) for k, _, v in (item.partition("=") for item in name.split(":"))] for name in names]
-    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model)]
+    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model, a.layers)]
     packed = [cpu_int8.pack(q, s) for q, s in quantized] if cpu_int8.packs() else quantized
     out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"),
            "knobs": names, "rows": []}
@@ -210,7 +219,7 @@ def compare(a) -> None:
     for i, path in enumerate(a.paths.split(",")):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--model", a.model, "--rows", a.rows, "--repeats", str(a.repeats),
-                   "--out", f.name] + (["--threads", str(a.threads)] if a.threads else []) + \
+                   "--out", f.name, "--layers", str(a.layers)] + (["--threads", str(a.threads)] if a.threads else []) + \
                   (["--gemm"] if a.gemm else [])
             name, *knobs = path.split(":")  # float4:2 = float4:ahead=2; lanes:tiles=2:prefetch=1024
             extra = {"MVLLM_INT8_PATH": name}
