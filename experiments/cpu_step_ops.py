@@ -10,7 +10,7 @@ instead the cold prefill of a fresh prompt of --context tokens (distinct tokens 
 
 --split: also time a step's phases with perf_counter around them, without the profiler (the C++ layer loop, the LM
 head, the argmax, the attention metadata, the rest: Python and small ops), median over --steps steps; and the C++
-team's phases (each linear, the attention, the small work between), wall and the threads' mean work, a step.
+team's phases (each linear, the attention, the small work between): wall, the threads' mean work and the slowest's.
 
 --knobs chunks=8,chunks=4: instead of the profile, time --steps steps under each setting of the int8 kernel's knobs
 (cpu_int8.knob; "chunks=4:stage=0" sets two) or the layer loop's (cpu_layers.knob: team=0 a region an op, team=1 one

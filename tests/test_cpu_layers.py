@@ -210,3 +210,25 @@ def test_a_warm_prefill_in_one_team_matches_a_region_an_op():
                 assert torch.equal(t, o), (blocks, last)
     finally:
         cpu_layers.knob("amx_blocks", old[0]), cpu_layers.knob("last", old[1])
+
+
+def test_the_team_times_its_phases_only_when_asked():
+    """knob "times" 1 records each phase of a team step (every phase timed, the slowest thread's work at least the
+    threads' mean); 0, the default, records nothing."""
+    e = engine("synthetic:tiny-llama")
+    prompt = [(5 * k) % 400 + 1 for k in range(9)]
+    cpu_layers.team_times()
+    hidden_rows(e, [(prompt, 0)])
+    assert all(v == (0.0, 0.0, 0.0) for v in cpu_layers.team_times().values())
+    old = cpu_layers.knob("times", 1)
+    try:
+        calls = cpu_layers.team_calls()
+        hidden_rows(e, [(prompt, 0)])
+        assert cpu_layers.team_calls() == calls + 1
+        times = cpu_layers.team_times()
+    finally:
+        cpu_layers.knob("times", old)
+    assert list(times) == list(cpu_layers.PHASES)
+    for name, (wall, work, slowest) in times.items():
+        assert wall > 0 and slowest >= work / e.config.threads > 0, (name, wall, work, slowest)
+    assert all(v == (0.0, 0.0, 0.0) for v in cpu_layers.team_times().values())  # read once, then cleared

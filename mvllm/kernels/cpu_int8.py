@@ -110,8 +110,7 @@ def knob(name: str, value: int) -> int:
     bands the threads claim apart (MVLLM_INT8_BANDS, default 1). "prefetch": the bytes ahead of each weight stream
     the AVX-512 lanes kernels prefetch (MVLLM_INT8_PREFETCH, default 4096; 0 none). "finish": the groups whose
     AMX products are finished (the float steps) together, the totals in registers (MVLLM_INT8_FINISH, 1-8,
-    default 4; 1 a group at a time). "amx_ahead": the groups ahead whose weights an AMX pass prefetches into L1
-    (MVLLM_INT8_AMX_AHEAD, default 0)."""
+    default 4; 1 a group at a time)."""
     return torch.ops.mvllm_int8.knob(name, value)
 
 

@@ -3,8 +3,9 @@ model/cpu_forward.py's Python loop, in the same order, called directly, so a dec
 dispatcher between its ~220 ops. Steps of up to 64 tokens (decode, a warm prefill; weights in the lanes layouts or
 [out, in], the portable path's) run their layers in one team of threads that meet at spin barriers (one OpenMP
 region a step, not one an op), the waiting threads prefetching their share of the next linear's weights; a last
-layer that trims its rows (out_rows: a prefill's last row past the KV write) does so in the team too. `knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either
-way (tests/test_cpu_layers.py).
+layer that trims its rows (out_rows: a prefill's last row past the KV write) does so in the team too.
+`knob("team", 0)` (MVLLM_TEAM=0) keeps a region an op. Results are bitwise those of the Python loop either way
+(tests/test_cpu_layers.py).
 
 `Layers.of(model)` (engine/quant.py, for int8w) packs each layer's weights once; `forward` runs them for
 batches of at most `max_rows` tokens, the smallest `kernel_rows` of the model's int8 linears (above it an
@@ -93,14 +94,10 @@ def team_calls() -> int:
     return torch.ops.mvllm_layers.team_calls() if available() else 0
 
 
-PHASES = ("norm+round", "qkv", "rope", "attention", "round o", "o", "norm+round", "gate_up", "silu+round", "down")
+PHASES = ("norm+round", "qkv", "rope", "attention", "round o", "o", "norm+round 2", "gate_up", "silu+round", "down")
 
 
 def team_times() -> dict[str, tuple[float, float, float]]:
     """The team's phases since the last call (knob "times" 1 records them), summed over layers and steps, in ms:
     (wall, the threads' summed work before the phase's barrier, the slowest thread's). The counters are cleared."""
-    t = torch.ops.mvllm_layers.team_times().tolist()
-    out: dict[str, tuple[float, float, float]] = {}
-    for i, name in enumerate(PHASES):
-        out[name if name not in out else f"{name} 2"] = (t[i][0], t[i][1], t[i][2])
-    return out
+    return {name: tuple(row) for name, row in zip(PHASES, torch.ops.mvllm_layers.team_times().tolist())}

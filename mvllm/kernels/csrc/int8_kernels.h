@@ -515,12 +515,6 @@ std::atomic<int64_t>& amx_above() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
   return n;
 }
-// Groups ahead whose weights a pass of lanes8_amx prefetches into L1 (MVLLM_INT8_AMX_AHEAD, default 0;
-// knob("amx_ahead", n)).
-std::atomic<int64_t>& amx_ahead() {
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_AHEAD", 0, 0, 64)};
-  return n;
-}
 // Groups whose AMX products lanes8_amx finishes together (MVLLM_INT8_FINISH, default 4; 1: a group at a time, the
 // totals loaded and stored each group; knob("finish", n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time
 // of 1 in a warm prefill at 8 threads, 0.984x at 16, 0.960x in a cold prefill of 516 tokens at 8 (same process); 8
@@ -745,16 +739,9 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
   const int8_t* x1 = x0 + m1 * in;
   alignas(64) int32_t sums[2][kMaxChunk][RB * TB][kAmxRows * kLaneOuts];
   alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
-  const int64_t ahead = amx_ahead().load(std::memory_order_relaxed) * kLaneOuts * group;
   auto products = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
     for (int64_t g = g0; g < std::min(ng, g0 + chunk); ++g) {
       int32_t (*out)[kAmxRows * kLaneOuts] = c[g - g0];
-      if (ahead)
-        for (int64_t b = 0; b < kLaneOuts * group; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + g * kLaneOuts * group + ahead + b), _MM_HINT_T0);
-          if constexpr (TB == 2)
-            _mm_prefetch(reinterpret_cast<const char*>(w1 + g * kLaneOuts * group + ahead + b), _MM_HINT_T0);
-        }
       _tile_zero(0);
       if constexpr (TB == 2) _tile_zero(1);
       if constexpr (RB == 2) _tile_zero(2);
@@ -1172,16 +1159,14 @@ void run(const Problem& p) {
 }
 
 // Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
-// 1), "prefetch" (bytes ahead), "finish" (groups an AMX chunk) or "amx_ahead" (groups); the previous value back.
+// 1), "prefetch" (bytes ahead) or "finish" (groups an AMX chunk); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
   if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
   if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
-  if (name == "amx_ahead") return amx_ahead().exchange(std::clamp<int64_t>(value, 0, 64));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch, finish and amx_ahead, got ",
-              name);
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch and finish, got ", name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 

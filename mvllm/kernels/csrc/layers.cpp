@@ -47,11 +47,11 @@ std::atomic<int64_t>& team_on() {
   static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM", 1, 0, 1)};
   return on;
 }
-std::atomic<int64_t> team_calls{0};
+std::atomic<int64_t> team_calls{0};  // calls the team ran (tests ask which path a step took)
 std::atomic<int64_t>& team_last() {  // a last layer that trims its rows runs in the team (1) or op by op (0)
   static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM_LAST", 1, 0, 1)};
   return on;
-}  // calls the team ran (tests ask which path a step took)
+}
 // Knobs for same-process experiments: the share of a linear's blocks split evenly (percent; MVLLM_TEAM_EVEN,
 // default 75) and the bytes a waiting thread prefetches of its next share (MVLLM_TEAM_AHEAD, default 1 MB).
 std::atomic<int64_t>& even_percent() {
@@ -85,8 +85,8 @@ at::Tensor team_times() {
 }
 // A linear on AMX tiles (p.block 4 tiles) halves its output blocks, down to 1 tile, while it has fewer than
 // MVLLM_TEAM_AMX_BLOCKS (default 6; knob "amx_blocks") a thread: a 896-output linear has 14 blocks of 64 outputs,
-// 2 of 16 threads idle. On the H200 machine's Xeon, in a warm prefill (same process), 6 took 0.89x the time of 0
-// at 8 threads, 3 0.94x (results/profile/README.md).
+// 2 of 16 threads idle. On the H200 machine's Xeon, in a warm prefill (same process), 6 took 0.90x the time of 0
+// at 8 threads and 0.88x at 16 (results/profile/README.md).
 std::atomic<int64_t>& amx_blocks() {
   static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AMX_BLOCKS", 6, 0, 64)};
   return n;
