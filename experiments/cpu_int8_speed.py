@@ -73,6 +73,17 @@ def random_weights(model: str, distinct: int = 0) -> list[torch.Tensor]:
     return [w for k in range(layers) for w in own[k % len(own)]] + [torch.randn(vocab, layer[1][1]) * 0.02]
 
 
+def packed_weights(weights: list[torch.Tensor], packs: bool, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each weight quantized (and packed in the kernel's layout where `packs`) once per distinct tensor: with
+    --layers 1 the layers share one packed copy, as they share the float one."""
+    done = {}
+    for w in weights:
+        if id(w) not in done:
+            q, s = cpu_int8.quantize_weight(w)
+            done[id(w)] = cpu_int8.pack(q, s, **kw) if packs else (q, s)
+    return [done[id(w)] for w in weights]
+
+
 def step_ms(fns, repeats: int) -> float:
     for f in fns:  # warm
         f()
@@ -111,14 +122,12 @@ def main() -> None:
     if not cpu_int8.available():
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
     weights = random_weights(a.model, a.layers)
-    quantized = [cpu_int8.quantize_weight(w) for w in weights]
     gemms = []
     if a.gemm:
         wide = torch.bfloat16 if quant.packable(quant.CPU, torch.bfloat16) else torch.float32
-        gemms = [Wide(quant.dense(cpu_int8.dequantize(q, s).to(wide), None), wide) for q, s in quantized]
-    packed = quantized
-    if cpu_int8.packs():  # the lanes path: weights in its layout, as Int8Linear packs them
-        packed = [cpu_int8.pack(q, s) for q, s in quantized]
+        gemms = [Wide(quant.dense(cpu_int8.dequantize(*cpu_int8.quantize_weight(w)).to(wide), None), wide)
+                 for w in weights]
+    packed = packed_weights(weights, cpu_int8.packs())  # the lanes path: weights in its layout, as Int8Linear packs
     nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in packed)
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
@@ -150,16 +159,16 @@ def memory(a) -> None:
         torch.set_num_threads(a.threads)
     if not cpu_int8.packs():
         raise SystemExit("--memory: the kernel here packs no lanes layout")
-    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model, a.layers)]
+    weights = random_weights(a.model, a.layers)
     names = a.memory.split(",")
     if set(names) - {"plain", "huge"}:
         raise SystemExit(f"--memory: plain or huge, got {a.memory}")
-    copies = [[cpu_int8.pack(q, s, huge=name == "huge") for q, s in quantized] for name in names]
+    copies = [packed_weights(weights, True, huge=name == "huge") for name in names]
     huge_kb = int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
     out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"),
            "memory": names, "anon_huge_kb": huge_kb, "rows": []}
     for rows in [int(r) for r in a.rows.split(",")]:
-        xs = [torch.randn(rows, q.shape[1]) for q, _ in quantized]  # q [out, in] before packing
+        xs = [torch.randn(rows, w.shape[1]) for w in weights]
         steps = [[lambda q=q, s=s, x=x: cpu_int8.int8_linear(x, q, s, check=False) for (q, s), x in zip(c, xs)]
                  for c in copies]
         out["rows"].append(in_turn(rows, names, steps, [lambda: None] * len(names), a.repeats))
@@ -198,12 +207,12 @@ def knobs(a) -> None:
         raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
     names = a.knobs.split(",")
     settings = [[(k, int(v)) for k, _, v in (item.partition("=") for item in name.split(":"))] for name in names]
-    quantized = [cpu_int8.quantize_weight(w) for w in random_weights(a.model, a.layers)]
-    packed = [cpu_int8.pack(q, s) for q, s in quantized] if cpu_int8.packs() else quantized
+    weights = random_weights(a.model, a.layers)
+    packed = packed_weights(weights, cpu_int8.packs())
     out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"),
            "knobs": names, "rows": []}
     for rows in [int(r) for r in a.rows.split(",")]:
-        xs = [torch.randn(rows, q.shape[1]) for q, _ in quantized]
+        xs = [torch.randn(rows, w.shape[1]) for w in weights]
         fns = [lambda q=q, s=s, x=x: cpu_int8.int8_linear(x, q, s, check=False) for (q, s), x in zip(packed, xs)]
         setups = [lambda kv=kv: [cpu_int8.knob(k, v) for k, v in kv] for kv in settings]
         out["rows"].append(in_turn(rows, names, [fns] * len(names), setups, a.repeats))

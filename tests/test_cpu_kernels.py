@@ -307,7 +307,7 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
         for name, value in zip(names, before):
             ck.knob(name, value)
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="chunks, stage, amx_above, bands, prefetch and finish"):
+    with pytest.raises(RuntimeError, match="chunks, stage, amx_above, bands, prefetch, finish and amx_rows"):
         ck.knob("nope", 1)
     before = ck.knob("amx_above", 5)  # the setting round-trips on every build (it changes calls only with AMX)
     assert (before, ck.knob("amx_above", before)) == (int(os.environ.get("MVLLM_INT8_AMX_ABOVE", 8)), 5)
@@ -317,7 +317,8 @@ def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
     """With AMX, a call's rows go in passes of 32 and one of what is left (tiles configured to 1-31 rows, in one
     A tile or two): each call's bits are those of the same rows in a 70-row call on the VNNI blocks (amx_above
     beyond every call), with every call on the tiles (amx_above 0), their float steps a group at a time or in
-    chunks of 2-8 groups (knob "finish"; 28 groups: chunks that divide them and chunks that do not)."""
+    chunks of 2-8 groups (knob "finish"; 28 groups: chunks that divide them and chunks that do not), and a pass's
+    rows split each way knob "amx_rows" has."""
     if not ck.amx():
         pytest.skip("no AMX tiles here (a Sapphire Rapids or later Xeon, the tile state granted by Linux)")
     gen = torch.Generator().manual_seed(11)
@@ -325,17 +326,20 @@ def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
     bias = torch.randn(1936, generator=gen)
     qp, sp = ck.pack(q, scales, "lanes8")
     x = torch.randn(70, 896, generator=gen)
-    before, finish = ck.knob("amx_above", 1 << 40), ck.knob("finish", 1)
+    before, finish, split = ck.knob("amx_above", 1 << 40), ck.knob("finish", 1), ck.knob("amx_rows", 0)
     try:
         vnni = ck.int8_linear(x, qp, sp, bias)
         ck.knob("amx_above", 0)
-        for chunk in (1, 2, 3, 4, 8):
+        for mode, chunk in [(0, 1), (0, 2), (0, 3), (0, 4), (0, 8), (1, 4), (2, 4), (3, 4), (1, 3), (2, 1), (3, 1)]:
             ck.knob("finish", chunk)
+            ck.knob("amx_rows", mode)
+            ck.knob("amx_above", 8 if mode == 3 else 0)  # 3: the rows past 16, up to 8, on the VNNI blocks
             for rows in (1, 2, 7, 15, 16, 17, 20, 31, 32, 33, 47, 64, 70):
-                assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), (chunk, rows)
+                assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), (mode, chunk, rows)
     finally:
         ck.knob("amx_above", before)
         ck.knob("finish", finish)
+        ck.knob("amx_rows", split)
 
 
 @pytest.mark.parametrize("kind,top", [("lanes", 32767), ("lanes8", 127)])

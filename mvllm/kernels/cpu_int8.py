@@ -110,7 +110,9 @@ def knob(name: str, value: int) -> int:
     bands the threads claim apart (MVLLM_INT8_BANDS, default 1). "prefetch": the bytes ahead of each weight stream
     the AVX-512 lanes kernels prefetch (MVLLM_INT8_PREFETCH, default 4096; 0 none). "finish": the groups whose
     AMX products are finished (the float steps) together, the totals in registers (MVLLM_INT8_FINISH, 1-8,
-    default 4; 1 a group at a time)."""
+    default 4; 1 a group at a time). "amx_rows": how a call's rows split into AMX passes (MVLLM_INT8_AMX_ROWS,
+    default 3: passes of 16 rows, the rest up to amx_above on the VNNI blocks; 0 passes of 32, 16 + the rest; 1
+    passes of 32 halved; 2 passes of 16)."""
     return torch.ops.mvllm_int8.knob(name, value)
 
 

@@ -508,9 +508,10 @@ void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 // batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
 constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 above gemm_min() rows: 12 accumulators, 12 totals
 constexpr int64_t kAmxRows = 16;              // AMX (below): the rows of a tile
-// Calls of more rows than this take AMX tiles; up to it the VNNI blocks stay. A call's rows go in passes of 32 (two
-// A tiles of 16) and one pass of what is left, its tiles configured to those rows, so a 20-row call reads each block
-// once. MVLLM_INT8_AMX_ABOVE sets it (default 8); knob("amx_above", n) in a running process.
+// Calls of more rows than this take AMX tiles; up to it the VNNI blocks stay. A call's rows go in passes of 16 (one A
+// tile) and the rows left, up to this many, on the VNNI blocks block by block (more, in a pass of their own, its tile
+// configured to them), so a 20-row call reads each block from memory once (amx_rows_mode(), below).
+// MVLLM_INT8_AMX_ABOVE sets it (default 8); knob("amx_above", n) in a running process.
 std::atomic<int64_t>& amx_above() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
   return n;
@@ -522,6 +523,19 @@ std::atomic<int64_t>& amx_above() {
 std::atomic<int64_t>& finish_groups() {
   static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 4, 1, 8)};
   return n;
+}
+
+// How a call's rows split into AMX passes and A tiles (MVLLM_INT8_AMX_ROWS; knob("amx_rows", n)): 0, passes of 32
+// rows, the first A tile of a pass 16 of them (20 rows: 16 + 4); 1, passes of 32, a pass's rows halved between its
+// two A tiles (20: 10 + 10); 2, passes of 16 rows, one A tile each (20: a pass of 16, one of 4); 3 (the default), as
+// 2, but the rows past the last 16 on the VNNI blocks where they are no more than amx_above() (20: 16 on the tiles,
+// 4 on VNNI, block by block). The bits are the same in each (every row is finished by the same float steps). On the
+// H200 machine's Xeon, same process, a step's linears with their weights in cache at 32 rows took 0.82x the time of
+// 0 in passes of 16 (2 and 3) at 8 and 16 threads; at 20 rows 3 took 0.96x (8 threads) and 0.89x (16), and a warm
+// prefill 0.981x and 0.952x; 1 was no better than 0 (results/profile/README.md).
+std::atomic<int64_t>& amx_rows_mode() {
+  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 3, 0, 3)};
+  return v;
 }
 
 // MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
@@ -608,6 +622,11 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
   }
 }
 
+struct Lanes8 {
+  template <int R>
+  static void run(const Problem& p, int64_t r0, int64_t t) { lanes8_block<R>(p, r0, t); }
+};
+
 // Rows [r0, r0 + R) x tiles [t0, t0 + T). A step of 4 inputs loads T weight vectors and R broadcasts for R * T
 // vpdpbusd: at 1 tile R + 1 loads for R; at 4 rows x 3 tiles (kGemmRows x kGemmTiles, from gemm_min() rows) 7 for
 // 12 (a cold 20-token prompt about 5% faster on a 2-vCPU AMD EPYC). Every (row, output, group) gets the same integer
@@ -680,7 +699,7 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0, const Stage& next) {
 // of 64 bytes (4 inputs x 16 outputs), is B; kAmxRows activation rows of the group (int8, row stride `in`) are A;
 // one tdpbsud (A signed, B unsigned) gives the 16 x 16 int32 sums vpdpbusd gives, exactly. They are stored and
 // finished by the same float steps as lanes8_block, so a row's result is the same bits on either path. Used in calls
-// of more than amx_above() rows, in passes of up to 32 rows over blocks of 2 tiles (then 1), where the build has AMX,
+// of more than amx_above() rows, in passes of up to 16 rows over blocks of 2 tiles (then 1), where the build has AMX,
 // Linux grants the tile state (arch_prctl), the group fits one tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)
@@ -804,24 +823,31 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
 // One pass over tiles [t, t + TB) for rows [r0, r0 + rows), rows 1-32: two A tiles above 16 rows, else one.
 template <int TB>
 void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
-  const int64_t m1 = std::min(rows, kAmxRows), m2 = rows - m1;
+  const bool halves = rows > kAmxRows && amx_rows_mode().load(std::memory_order_relaxed) == 1;
+  const int64_t m1 = halves ? (rows + 1) / 2 : std::min(rows, kAmxRows), m2 = rows - m1;
   amx_configure(m1, m2);
   const int64_t chunk = finish_groups().load(std::memory_order_relaxed);
   if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next, chunk);
   else lanes8_amx<1, TB>(p, r0, m1, 0, t, next, chunk);
 }
 
-// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 32 rows over blocks of 2 tiles (then 1).
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 16 rows (32 in amx_rows_mode() 0 and 1) over
+// blocks of 2 tiles (then 1).
 void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-  const int64_t pair = 2 * kAmxRows, passes = (rows + pair - 1) / pair;
+  const int64_t mode = amx_rows_mode().load(std::memory_order_relaxed), pair = mode >= 2 ? kAmxRows : 2 * kAmxRows;
+  // mode 3: the rows past the last full A tile, if no more than amx_above(), on the VNNI blocks, block by block
+  const int64_t rest = mode == 3 && rows > kAmxRows && rows % kAmxRows <= std::min<int64_t>(amx_above().load(), kMaxLaneRows)
+                       ? rows % kAmxRows : 0;
+  const int64_t tiled = rows - rest, passes = (tiled + pair - 1) / pair;
   for (int64_t t = t0; t < t0 + tiles; t += 2) {
     const int64_t n = std::min<int64_t>(2, t0 + tiles - t), bytes = n * kLaneOuts * p.in;
     for (int64_t i = 0; i < passes; ++i) {
-      const int64_t r = r0 + i * pair, m = std::min(pair, r0 + rows - r);
+      const int64_t r = r0 + i * pair, m = std::min(pair, r0 + tiled - r);
       const Stage next = stage(p, p.q8 + t * kLaneOuts * p.in, bytes, i, passes);
       if (n == 2) amx_pass<2>(p, r, m, t, next);
       else amx_pass<1>(p, r, m, t, next);
     }
+    for (int64_t j = 0; rest && j < n; ++j) lane_rows<Lanes8>(p, r0 + tiled, rest, t + j);
   }
 }
 #else
@@ -837,11 +863,6 @@ bool amx_on(int64_t group) {
   static const bool on = kHasAmx && env_int("MVLLM_INT8_AMX", 1, 0, 1) == 1 && amx_permitted();
   return on && group <= 64 && group % 16 == 0;
 }
-
-struct Lanes8 {
-  template <int R>
-  static void run(const Problem& p, int64_t r0, int64_t t) { lanes8_block<R>(p, r0, t); }
-};
 
 template <int R = 1>
 void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
@@ -1166,7 +1187,9 @@ int64_t knob(const std::string& name, int64_t value) {
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
   if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch and finish, got ", name);
+  if (name == "amx_rows") return amx_rows_mode().exchange(std::clamp<int64_t>(value, 0, 3));
+  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch, finish and amx_rows, got ",
+              name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
