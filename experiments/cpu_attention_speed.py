@@ -5,7 +5,8 @@ reference. --settings items=4,items=1 compares other settings of cpu_fused.atten
 the first; "lanes=0:items=1" sets two). The 8-wide lanes of AVX2 and NEON on an AVX-512 machine:
 `python experiments/march.py haswell experiments/cpu_attention_speed.py ...`.
 
-    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2] [--out FILE]
+    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2] [--cells warm,decode] [--hot]
+        [--out FILE]
 
 Cells: warm prefill (20 new after 496 cached), cold prefill of 516, four warm prefills at once, decode at 516
 (batch 1 and 4: no lanes rows, so level), a 40-token prefill beside three decodes.
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", default="lanes=0,lanes=1,lanes=2")
+    ap.add_argument("--cells", help="only the cells whose names hold one of these, comma-separated (warm,decode)")
+    ap.add_argument("--hot", action="store_true",
+                    help="every layer the first layer's cache (in cache after the first): compute against reading")
     ap.add_argument("--out")
     a = ap.parse_args()
     if not cpu_fused.available():
@@ -84,7 +88,11 @@ def main() -> None:
         cpu_fused.attention_knob(name, value)
     rows = []
     for name, seqs in CELLS.items():
+        if a.cells and not any(c in name for c in a.cells.split(",")):
+            continue
         q, caches, table, seq, key_len = setup(seqs)
+        if a.hot:
+            caches = caches[:1] * LAYERS
         rest = (table, seq, key_len, BLOCK, D ** -0.5)
         ref = cpu_fused.reference_paged_attention(q, caches[0], *rest)
         reps = max(3, min(40, 2_000 // int(key_len.sum())))

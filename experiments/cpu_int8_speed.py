@@ -8,7 +8,7 @@ with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores 
 
     python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--knobs chunks=0,chunks=8] [--layers 1]
-        [--out FILE]
+        [--shapes] [--out FILE]
 
 --layers 1 gives every layer the first layer's weights (one layer's 15 MB for qwen2.5-0.5b, a thread's share of it
 in its L2 at 8 or more threads): the kernel's time with its weights mostly in cache, against the default, where they
@@ -22,6 +22,10 @@ first's, with the host's drift shared.
 (cpu_int8.knob: chunks, the chunks per thread each thread claims in turn, 0 one even range each; stage, the next
 block's weights into L2 during a call's passes over a block; amx_above, the rows above which calls take AMX tiles;
 bands, 1: a call's rows cut into bands the threads claim apart, 0: a chunk's rows all with the thread claiming it).
+
+--shapes times each linear shape of a layer alone, the same weights call after call (in cache after the first), 200
+calls at each of --rows: microseconds a call and GMAC/s (a kernel's compute rate, with MVLLM_INT8_AMX=0 the VNNI
+blocks').
 
 --gemm also times the GEMM Int8Linear takes above its kernel rows (oneDNN bf16 on a de-quantized copy where
 this CPU has native bf16, else float32), at the same rows: where the kernel could take over (warm prefill).
@@ -109,8 +113,11 @@ def main() -> None:
     ap.add_argument("--knobs", help="kernel knob settings to time in turn: chunks=0,chunks=8:stage=0,...")
     ap.add_argument("--layers", type=int, default=0,
                     help="distinct layers of weights, repeated over the model's (1: one layer's, mostly in cache)")
+    ap.add_argument("--shapes", action="store_true", help="each layer shape alone, in cache: us a call, GMAC/s")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.shapes:
+        return each_shape(a)
     if a.knobs:
         return knobs(a)
     if a.paths:
@@ -173,6 +180,33 @@ def memory(a) -> None:
                  for c in copies]
         out["rows"].append(in_turn(rows, names, steps, [lambda: None] * len(names), a.repeats))
         print(f"  {huge_kb // 1024} MB in huge pages")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+
+
+def each_shape(a) -> None:
+    """Each linear shape of a layer alone, its packed weights in cache, at each row count: us a call, GMAC/s."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"), "shapes": []}
+    for o, i in shapes(a.model)[0]:
+        q, s = packed_weights([torch.randn(o, i) * 0.02], cpu_int8.packs())[0]
+        cells = []
+        for rows in [int(r) for r in a.rows.split(",")]:
+            x = torch.randn(rows, i)
+            for _ in range(20):
+                cpu_int8.int8_linear(x, q, s, check=False)
+            t = time.perf_counter()
+            for _ in range(200):
+                cpu_int8.int8_linear(x, q, s, check=False)
+            us = (time.perf_counter() - t) / 200 * 1e6
+            cells.append({"rows": rows, "us": round(us, 1), "GMAC_s": round(rows * o * i / us / 1e3, 1)})
+        out["shapes"].append({"out": o, "in": i, "cells": cells})
+        print(f"{o}x{i}: " + ", ".join(f"{c['rows']} rows {c['us']:.0f} us {c['GMAC_s']:.0f} GMAC/s" for c in cells),
+              flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=2)
