@@ -529,12 +529,13 @@ std::atomic<int64_t>& finish_groups() {
 // rows, the first A tile of a pass 16 of them (20 rows: 16 + 4); 1, passes of 32, a pass's rows halved between its
 // two A tiles (20: 10 + 10); 2, passes of 16 rows, one A tile each (20: a pass of 16, one of 4); 3 (the default), as
 // 2, but the rows past the last 16 on the VNNI blocks where they are no more than amx_above() (20: 16 on the tiles,
-// 4 on VNNI, block by block). The bits are the same in each (every row is finished by the same float steps). On the
-// H200 machine's Xeon, same process, a step's linears with their weights in cache at 32 rows took 0.82x the time of
+// 4 on VNNI, block by block, a tile at a time); 4, as 3, the VNNI rows over both tiles of a block at once
+// (lanes8_gemm, up to 4 rows a pass). The bits are the same in each (every row is finished by the same float
+// steps). On the H200 machine's Xeon, same process, a step's linears with their weights in cache at 32 rows took 0.82x the time of
 // 0 in passes of 16 (2 and 3) at 8 and 16 threads; at 20 rows 3 took 0.96x (8 threads) and 0.89x (16), and a warm
 // prefill 0.981x and 0.952x; 1 was no better than 0 (results/profile/README.md).
 std::atomic<int64_t>& amx_rows_mode() {
-  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 3, 0, 3)};
+  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 3, 0, 4)};
   return v;
 }
 
@@ -695,6 +696,15 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0, const Stage& next) {
     }
 }
 
+// lanes8_gemm<rows, T> for the runtime row count, 1 to kGemmRows.
+template <int T, int R = 1>
+void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
+  if constexpr (R <= kGemmRows) {
+    if (rows == R) return lanes8_gemm<R, T>(p, r0, t, next);
+    gemm_rows<T, R + 1>(p, r0, rows, t, next);
+  }
+}
+
 // AMX (Sapphire Rapids and later): the lanes8 layout is already AMX's B tile. One tile's group, (group / 4) rows
 // of 64 bytes (4 inputs x 16 outputs), is B; kAmxRows activation rows of the group (int8, row stride `in`) are A;
 // one tdpbsud (A signed, B unsigned) gives the 16 x 16 int32 sums vpdpbusd gives, exactly. They are stored and
@@ -836,7 +846,7 @@ void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage
 void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
   const int64_t mode = amx_rows_mode().load(std::memory_order_relaxed), pair = mode >= 2 ? kAmxRows : 2 * kAmxRows;
   // mode 3: the rows past the last full A tile, if no more than amx_above(), on the VNNI blocks, block by block
-  const int64_t rest = mode == 3 && rows > kAmxRows && rows % kAmxRows <= std::min<int64_t>(amx_above().load(), kMaxLaneRows)
+  const int64_t rest = mode >= 3 && rows > kAmxRows && rows % kAmxRows <= std::min<int64_t>(amx_above().load(), kMaxLaneRows)
                        ? rows % kAmxRows : 0;
   const int64_t tiled = rows - rest, passes = (tiled + pair - 1) / pair;
   for (int64_t t = t0; t < t0 + tiles; t += 2) {
@@ -847,7 +857,11 @@ void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t ti
       if (n == 2) amx_pass<2>(p, r, m, t, next);
       else amx_pass<1>(p, r, m, t, next);
     }
-    for (int64_t j = 0; rest && j < n; ++j) lane_rows<Lanes8>(p, r0 + tiled, rest, t + j);
+    if (mode == 4 && n == 2)  // both tiles at once, up to kGemmRows rows a pass: 2 x rows independent sums
+      for (int64_t r = r0 + tiled; r < r0 + rows; r += kGemmRows)
+        gemm_rows<2>(p, r, std::min<int64_t>(kGemmRows, r0 + rows - r), t, Stage{});
+    else
+      for (int64_t j = 0; rest && j < n; ++j) lane_rows<Lanes8>(p, r0 + tiled, rest, t + j);
   }
 }
 #else
@@ -864,14 +878,6 @@ bool amx_on(int64_t group) {
   return on && group <= 64 && group % 16 == 0;
 }
 
-template <int R = 1>
-void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
-  if constexpr (R <= kGemmRows) {
-    if (rows == R) return lanes8_gemm<R, kGemmTiles>(p, r0, t, next);
-    gemm_rows<R + 1>(p, r0, rows, t, next);
-  }
-}
-
 // Rows [r0, r0 + rows) x tiles [t0, t0 + tiles): above gemm_min() rows kGemmTiles tiles at a time, kGemmRows rows
 // at a time; else (and for the tiles left over) one tile, kMaxLaneRows rows at a time.
 void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
@@ -881,7 +887,7 @@ void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tile
     for (; t + kGemmTiles <= t0 + tiles; t += kGemmTiles) {
       const int64_t passes = (rows + kGemmRows - 1) / kGemmRows, bytes = kGemmTiles * kLaneOuts * p.in;
       for (int64_t i = 0; i < passes; ++i)
-        gemm_rows(p, r0 + i * kGemmRows, std::min<int64_t>(kGemmRows, rows - i * kGemmRows), t,
+        gemm_rows<kGemmTiles>(p, r0 + i * kGemmRows, std::min<int64_t>(kGemmRows, rows - i * kGemmRows), t,
                   stage(p, p.q8 + t * kLaneOuts * p.in, bytes, i, passes));
     }
   for (; t < t0 + tiles; ++t)
@@ -1187,7 +1193,7 @@ int64_t knob(const std::string& name, int64_t value) {
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
   if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
-  if (name == "amx_rows") return amx_rows_mode().exchange(std::clamp<int64_t>(value, 0, 3));
+  if (name == "amx_rows") return amx_rows_mode().exchange(std::clamp<int64_t>(value, 0, 4));
   TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch, finish and amx_rows, got ",
               name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
