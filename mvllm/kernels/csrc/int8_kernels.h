@@ -527,15 +527,16 @@ std::atomic<int64_t>& finish_groups() {
 
 // How a call's rows split into AMX passes and A tiles (MVLLM_INT8_AMX_ROWS; knob("amx_rows", n)): 0, passes of 32
 // rows, the first A tile of a pass 16 of them (20 rows: 16 + 4); 1, passes of 32, a pass's rows halved between its
-// two A tiles (20: 10 + 10); 2, passes of 16 rows, one A tile each (20: a pass of 16, one of 4); 3 (the default), as
-// 2, but the rows past the last 16 on the VNNI blocks where they are no more than amx_above() (20: 16 on the tiles,
-// 4 on VNNI, block by block, a tile at a time); 4, as 3, the VNNI rows over both tiles of a block at once
+// two A tiles (20: 10 + 10); 2, passes of 16 rows, one A tile each (20: a pass of 16, one of 4); 3, as 2, but the
+// rows past the last 16 on the VNNI blocks where they are no more than amx_above() (20: 16 on the tiles, 4 on VNNI,
+// block by block, a tile at a time); 4 (the default), as 3, the VNNI rows over both tiles of a block at once
 // (lanes8_gemm, up to 4 rows a pass). The bits are the same in each (every row is finished by the same float
-// steps). On the H200 machine's Xeon, same process, a step's linears with their weights in cache at 32 rows took 0.82x the time of
-// 0 in passes of 16 (2 and 3) at 8 and 16 threads; at 20 rows 3 took 0.96x (8 threads) and 0.89x (16), and a warm
-// prefill 0.981x and 0.952x; 1 was no better than 0 (results/profile/README.md).
+// steps). On the H200 machine's Xeon, same process, a step's linears with their weights in cache at 32 rows took
+// 0.82x the time of 0 in passes of 16 (2 and 3) at 8 and 16 threads; at 20 rows 3 took 0.96x (8 threads) and 0.89x
+// (16), and a warm prefill 0.981x and 0.952x; 1 was no better than 0; 4 against 3, on another host, 0.96-0.97x at
+// 20 rows in cache and 0.980x a warm prefill at 8 threads, level at 16 (results/profile/README.md).
 std::atomic<int64_t>& amx_rows_mode() {
-  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 3, 0, 4)};
+  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 4, 0, 4)};
   return v;
 }
 
