@@ -23,8 +23,8 @@ first's, with the host's drift shared.
 block's weights into L2 during a call's passes over a block; amx_above, the rows above which calls take AMX tiles;
 bands, 1: a call's rows cut into bands the threads claim apart, 0: a chunk's rows all with the thread claiming it).
 
---shapes times each linear shape of a layer alone, the same weights call after call (in cache after the first), 200
-calls at each of --rows: microseconds a call and GMAC/s (a kernel's compute rate, with MVLLM_INT8_AMX=0 the VNNI
+--shapes times each linear shape of a layer alone, the same weights call after call (in cache after the first), the
+median of --repeats runs of 50 calls at each of --rows: microseconds a call and GMAC/s (a kernel's compute rate, with MVLLM_INT8_AMX=0 the VNNI
 blocks').
 
 --gemm also times the GEMM Int8Linear takes above its kernel rows (oneDNN bf16 on a de-quantized copy where
@@ -34,6 +34,7 @@ this CPU has native bf16, else float32), at the same rows: where the kernel coul
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -86,6 +87,14 @@ def packed_weights(weights: list[torch.Tensor], packs: bool, **kw) -> list[tuple
             q, s = cpu_int8.quantize_weight(w)
             done[id(w)] = cpu_int8.pack(q, s, **kw) if packs else (q, s)
     return [done[id(w)] for w in weights]
+
+
+def write_out(path: str | None, obj) -> None:
+    """obj as indented JSON to path (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.write("\n")
 
 
 def step_ms(fns, repeats: int) -> float:
@@ -154,10 +163,7 @@ def main() -> None:
     info = {"model": a.model, "threads": torch.get_num_threads(), "avx512": machine.avx512(),
             "path": cpu_int8.build_info().get("path"),
             "build": cpu_int8.build_info(), "rows": rows_out}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(info, f, indent=2, default=str)
-            f.write("\n")
+    write_out(a.out, info)
 
 
 def memory(a) -> None:
@@ -180,10 +186,7 @@ def memory(a) -> None:
                  for c in copies]
         out["rows"].append(in_turn(rows, names, steps, [lambda: None] * len(names), a.repeats))
         print(f"  {huge_kb // 1024} MB in huge pages")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_out(a.out, out)
 
 
 def each_shape(a) -> None:
@@ -192,25 +195,20 @@ def each_shape(a) -> None:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     out = {"model": a.model, "threads": torch.get_num_threads(), "path": cpu_int8.build_info().get("path"), "shapes": []}
+    if not cpu_int8.available():
+        raise SystemExit(f"the int8 kernel did not build: {cpu_int8.why_unavailable}")
     for o, i in shapes(a.model)[0]:
         q, s = packed_weights([torch.randn(o, i) * 0.02], cpu_int8.packs())[0]
         cells = []
         for rows in [int(r) for r in a.rows.split(",")]:
             x = torch.randn(rows, i)
-            for _ in range(20):
-                cpu_int8.int8_linear(x, q, s, check=False)
-            t = time.perf_counter()
-            for _ in range(200):
-                cpu_int8.int8_linear(x, q, s, check=False)
-            us = (time.perf_counter() - t) / 200 * 1e6
+            calls = 50
+            us = step_ms([functools.partial(cpu_int8.int8_linear, x, q, s, check=False)] * calls, a.repeats) * 1000 / calls
             cells.append({"rows": rows, "us": round(us, 1), "GMAC_s": round(rows * o * i / us / 1e3, 1)})
         out["shapes"].append({"out": o, "in": i, "cells": cells})
         print(f"{o}x{i}: " + ", ".join(f"{c['rows']} rows {c['us']:.0f} us {c['GMAC_s']:.0f} GMAC/s" for c in cells),
               flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_out(a.out, out)
 
 
 def in_turn(rows: int, names: list[str], steps: list[list], setups: list, repeats: int) -> dict:
@@ -250,10 +248,7 @@ def knobs(a) -> None:
         fns = [lambda q=q, s=s, x=x: cpu_int8.int8_linear(x, q, s, check=False) for (q, s), x in zip(packed, xs)]
         setups = [lambda kv=kv: [cpu_int8.knob(k, v) for k, v in kv] for kv in settings]
         out["rows"].append(in_turn(rows, names, [fns] * len(names), setups, a.repeats))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_out(a.out, out)
 
 
 def compare(a) -> None:
@@ -280,10 +275,7 @@ def compare(a) -> None:
             row[f"over_{first}"] = round(row["int8w_ms"] / base["int8w_ms"], 3)
             print(f"rows {row['rows']}: {path} ({run['path']}) {row['int8w_ms']:.2f} ms, "
                   f"{row[f'over_{first}']:.2f}x {first}'s" + (f"; GEMM {row['gemm_ms']:.2f} ms" if "gemm_ms" in row else ""))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"paths": runs}, f, indent=2, default=str)
-            f.write("\n")
+    write_out(a.out, {"paths": runs})
 
 
 if __name__ == "__main__":

@@ -314,11 +314,11 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
 
 
 def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
-    """With AMX, a call's rows go in passes of 32 and one of what is left (tiles configured to 1-31 rows, in one
-    A tile or two): each call's bits are those of the same rows in a 70-row call on the VNNI blocks (amx_above
-    beyond every call), with every call on the tiles (amx_above 0), their float steps a group at a time or in
-    chunks of 2-8 groups (knob "finish"; 28 groups: chunks that divide them and chunks that do not), and a pass's
-    rows split each way knob "amx_rows" has (3 and 4: the rows past 16 on the VNNI blocks, a tile or two at once)."""
+    """With AMX, a call's rows go in passes of 16 (knob "amx_rows" 1), the rows past the last 16 on the VNNI blocks
+    where no more than amx_above, or in passes of 32 (0; tiles configured to 1-31 rows, in one A tile or two): each
+    call's bits are those of the same rows in a 70-row call on the VNNI blocks (amx_above beyond every call), with
+    every call on the tiles (amx_above 0) or the rest on VNNI (8), their float steps a group at a time or in chunks
+    of 2-8 groups (knob "finish"; 28 groups: chunks that divide them and chunks that do not)."""
     if not ck.amx():
         pytest.skip("no AMX tiles here (a Sapphire Rapids or later Xeon, the tile state granted by Linux)")
     gen = torch.Generator().manual_seed(11)
@@ -329,14 +329,13 @@ def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
     before, finish, split = ck.knob("amx_above", 1 << 40), ck.knob("finish", 1), ck.knob("amx_rows", 0)
     try:
         vnni = ck.int8_linear(x, qp, sp, bias)
-        ck.knob("amx_above", 0)
-        for mode, chunk in [(0, 1), (0, 2), (0, 3), (0, 4), (0, 8), (1, 4), (2, 4), (3, 4), (1, 3), (2, 1), (3, 1), (4, 4),
-                            (4, 1)]:
+        for mode, chunk, above in [(0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 4, 0), (0, 8, 0), (1, 4, 0), (1, 1, 8),
+                                   (1, 3, 8), (1, 4, 8)]:
             ck.knob("finish", chunk)
             ck.knob("amx_rows", mode)
-            ck.knob("amx_above", 8 if mode >= 3 else 0)  # 3, 4: the rows past 16, up to 8, on the VNNI blocks
+            ck.knob("amx_above", above)
             for rows in (1, 2, 7, 15, 16, 17, 20, 31, 32, 33, 47, 64, 70):
-                assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), (mode, chunk, rows)
+                assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), (mode, chunk, above, rows)
     finally:
         ck.knob("amx_above", before)
         ck.knob("finish", finish)

@@ -111,8 +111,7 @@ def knob(name: str, value: int) -> int:
     the AVX-512 lanes kernels prefetch (MVLLM_INT8_PREFETCH, default 4096; 0 none). "finish": the groups whose
     AMX products are finished (the float steps) together, the totals in registers (MVLLM_INT8_FINISH, 1-8,
     default 4; 1 a group at a time). "amx_rows": how a call's rows split into AMX passes (MVLLM_INT8_AMX_ROWS,
-    default 4: passes of 16 rows, the rest up to amx_above on the VNNI blocks two tiles at once; 3 the same a tile
-    at once; 0 passes of 32, 16 + the rest; 1 passes of 32 halved; 2 passes of 16)."""
+    default 1: passes of 16 rows, the rest up to amx_above on the VNNI blocks; 0 passes of 32, 16 + the rest)."""
     return torch.ops.mvllm_int8.knob(name, value)
 
 

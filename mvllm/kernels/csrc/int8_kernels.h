@@ -525,18 +525,17 @@ std::atomic<int64_t>& finish_groups() {
   return n;
 }
 
-// How a call's rows split into AMX passes and A tiles (MVLLM_INT8_AMX_ROWS; knob("amx_rows", n)): 0, passes of 32
-// rows, the first A tile of a pass 16 of them (20 rows: 16 + 4); 1, passes of 32, a pass's rows halved between its
-// two A tiles (20: 10 + 10); 2, passes of 16 rows, one A tile each (20: a pass of 16, one of 4); 3, as 2, but the
-// rows past the last 16 on the VNNI blocks where they are no more than amx_above() (20: 16 on the tiles, 4 on VNNI,
-// block by block, a tile at a time); 4 (the default), as 3, the VNNI rows over both tiles of a block at once
-// (lanes8_gemm, up to 4 rows a pass). The bits are the same in each (every row is finished by the same float
-// steps). On the H200 machine's Xeon, same process, a step's linears with their weights in cache at 32 rows took
-// 0.82x the time of 0 in passes of 16 (2 and 3) at 8 and 16 threads; at 20 rows 3 took 0.96x (8 threads) and 0.89x
-// (16), and a warm prefill 0.981x and 0.952x; 1 was no better than 0; 4 against 3, on another host, 0.96-0.97x at
-// 20 rows in cache and 0.980x a warm prefill at 8 threads, level at 16 (results/profile/README.md).
+// How a call's rows split into AMX passes (MVLLM_INT8_AMX_ROWS; knob("amx_rows", n)): 1 (the default), passes of 16
+// rows (one A tile), and the rows past the last 16, where no more than amx_above(), on the VNNI blocks block by block,
+// both tiles of a block at once (20 rows: 16 on the tiles, 4 on VNNI, each block read from memory once); 0, passes of
+// 32 in two A tiles (20: 16 + 4), as before. The bits are the same either way (every row is finished by the same
+// float steps). On the H200 machine's Xeon, same process, passes of 16 against 0: a step's linears with their weights
+// in cache at 32 rows 0.82x the time at 8 and 16 threads; at 20 rows (the rest on VNNI a tile at a time) 0.96x (8
+// threads) and 0.89x (16), a warm prefill 0.981x and 0.952x; both tiles at once against a tile at once, on another
+// host, 0.96-0.97x at 20 rows in cache and 0.980x a warm prefill at 8 threads, level at 16. Two A tiles of half the
+// rows each (20: 10 + 10) were no better than 0 (results/profile/README.md).
 std::atomic<int64_t>& amx_rows_mode() {
-  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 4, 0, 4)};
+  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 1, 0, 1)};
   return v;
 }
 
@@ -834,21 +833,20 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
 // One pass over tiles [t, t + TB) for rows [r0, r0 + rows), rows 1-32: two A tiles above 16 rows, else one.
 template <int TB>
 void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
-  const bool halves = rows > kAmxRows && amx_rows_mode().load(std::memory_order_relaxed) == 1;
-  const int64_t m1 = halves ? (rows + 1) / 2 : std::min(rows, kAmxRows), m2 = rows - m1;
+  const int64_t m1 = std::min(rows, kAmxRows), m2 = rows - m1;
   amx_configure(m1, m2);
   const int64_t chunk = finish_groups().load(std::memory_order_relaxed);
   if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next, chunk);
   else lanes8_amx<1, TB>(p, r0, m1, 0, t, next, chunk);
 }
 
-// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 16 rows (32 in amx_rows_mode() 0 and 1) over
-// blocks of 2 tiles (then 1).
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 16 rows (32 with amx_rows_mode() 0) over blocks
+// of 2 tiles (then 1); with mode 1 the rows past the last 16, up to amx_above(), on the VNNI blocks, block by block.
 void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-  const int64_t mode = amx_rows_mode().load(std::memory_order_relaxed), pair = mode >= 2 ? kAmxRows : 2 * kAmxRows;
-  // mode 3: the rows past the last full A tile, if no more than amx_above(), on the VNNI blocks, block by block
-  const int64_t rest = mode >= 3 && rows > kAmxRows && rows % kAmxRows <= std::min<int64_t>(amx_above().load(), kMaxLaneRows)
-                       ? rows % kAmxRows : 0;
+  const bool sixteens = amx_rows_mode().load(std::memory_order_relaxed) == 1;
+  const int64_t pair = sixteens ? kAmxRows : 2 * kAmxRows;
+  const int64_t left = rows % kAmxRows, vnni = std::min<int64_t>(amx_above().load(), kMaxLaneRows);
+  const int64_t rest = sixteens && rows > kAmxRows && left <= vnni ? left : 0;
   const int64_t tiled = rows - rest, passes = (tiled + pair - 1) / pair;
   for (int64_t t = t0; t < t0 + tiles; t += 2) {
     const int64_t n = std::min<int64_t>(2, t0 + tiles - t), bytes = n * kLaneOuts * p.in;
@@ -858,11 +856,11 @@ void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t ti
       if (n == 2) amx_pass<2>(p, r, m, t, next);
       else amx_pass<1>(p, r, m, t, next);
     }
-    if (mode == 4 && n == 2)  // both tiles at once, up to kGemmRows rows a pass: 2 x rows independent sums
+    if (n == 2)  // both tiles at once, up to kGemmRows rows a pass: 2 x rows independent sums
       for (int64_t r = r0 + tiled; r < r0 + rows; r += kGemmRows)
         gemm_rows<2>(p, r, std::min<int64_t>(kGemmRows, r0 + rows - r), t, Stage{});
-    else
-      for (int64_t j = 0; rest && j < n; ++j) lane_rows<Lanes8>(p, r0 + tiled, rest, t + j);
+    else if (rest)
+      lane_rows<Lanes8>(p, r0 + tiled, rest, t);
   }
 }
 #else
@@ -1194,7 +1192,7 @@ int64_t knob(const std::string& name, int64_t value) {
   if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
   if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
   if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
-  if (name == "amx_rows") return amx_rows_mode().exchange(std::clamp<int64_t>(value, 0, 4));
+  if (name == "amx_rows") return amx_rows_mode().exchange(std::clamp<int64_t>(value, 0, 1));
   TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch, finish and amx_rows, got ",
               name);
   return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
