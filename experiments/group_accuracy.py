@@ -8,6 +8,9 @@ model's on the profile's evaluation text (mvllm.profile.accuracy: teacher-forced
 group size asked for. Where this machine has no AVX-512, it is how lanes8's accuracy is measured here.
 
     python experiments/group_accuracy.py [--model smollm2-135m] [--groups 32,64] [--out FILE]
+
+A setting may give some linears (by their name in the model) a group of their own: --groups 32,32:gate_proj=64:up_proj=64
+is groups of 32 everywhere, then the same with the MLP's gate and up projections at 64.
 """
 
 from __future__ import annotations
@@ -48,12 +51,19 @@ class Lanes8Emulated(nn.Module):
         return y.view(*x.shape[:-1], self.out)
 
 
-def swap(module: nn.Module, group: int) -> None:
+def swap(module: nn.Module, group: int, by_name: dict[str, int]) -> None:
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear) and child.in_features % group == 0:
-            setattr(module, name, Lanes8Emulated(child, group))
+        g = by_name.get(name, group)
+        if isinstance(child, nn.Linear) and child.in_features % g == 0:
+            setattr(module, name, Lanes8Emulated(child, g))
         else:
-            swap(child, group)
+            swap(child, group, by_name)
+
+
+def parse(setting: str) -> tuple[int, dict[str, int]]:
+    """"32:gate_proj=64" -> (32, {"gate_proj": 64})."""
+    first, *rest = setting.split(":")
+    return int(first), {k: int(v) for k, v in (r.split("=") for r in rest)}
 
 
 def main() -> None:
@@ -69,14 +79,15 @@ def main() -> None:
            "over mvllm/data/eval.txt in one forward, against float32; a linear whose inputs are not a multiple of the "
            "group stays float32", "command": f"python experiments/group_accuracy.py --groups {a.groups}",
            "environment": environment(a.model), "groups": {}}
-    for group in [int(g) for g in a.groups.split(",")]:
+    for setting in a.groups.split(","):
+        group, by_name = parse(setting)
         model = build_model(source, cpu, torch.float32)
         quant._untie(model)  # the LM head quantized too, as int8w does
-        swap(model, group)
+        swap(model, group, by_name)
         with torch.inference_mode():
             got = accuracy.compare(ref.logits, accuracy.logits(model, ref.ids, cpu, torch.float32))
-        out["groups"][group] = got
-        print(f"group {group}: mean KL {got['kl_mean']:.5f}, max {got['kl_max']:.3f}, top-1 {got['top1']:.2%}")
+        out["groups"][setting] = got
+        print(f"group {setting}: mean KL {got['kl_mean']:.5f}, max {got['kl_max']:.3f}, top-1 {got['top1']:.2%}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
