@@ -7,6 +7,7 @@
 // reference. The engine's float32 attention of the same cell: cpu_attention_speed.py --threads 1 --cells "warm 20"
 // (24 layers x 2 kv heads a step). Build and run (AMX, Linux):
 //   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/aap experiments/amx_attention_probe.cpp && /tmp/aap 8
+// (`/tmp/aap plain 8`: bf16 alone, one product, the lo halves zero and not loaded.)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -81,11 +82,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+bool g_plain = false;  // "plain": bf16 alone (lo = 0, one product), for the speed and error of that
+
 inline __m256i bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
 inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline void split(__m512 x, __m256i& hi, __m256i& lo) {
   hi = bf16(x);
-  lo = bf16(_mm512_sub_ps(x, widen(hi)));
+  lo = g_plain ? _mm256_setzero_si256() : bf16(_mm512_sub_ps(x, widen(hi)));
 }
 
 // 16 x 16 32-bit transpose in place (four rounds swapping the off-diagonal blocks of 1, 2, 4 and 8).
@@ -177,14 +180,16 @@ void scores(Item& it) {  // S [RP][NP] = Q K^T, four key tiles at a time in tile
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       for (int h = 0; h < 2; ++h) {
         _tile_loadd(4, it.qh.data() + rb * 16 * D + h * 32, D * 2);
-        _tile_loadd(5, it.ql.data() + rb * 16 * D + h * 32, D * 2);
+        if (!g_plain) _tile_loadd(5, it.ql.data() + rb * 16 * D + h * 32, D * 2);
 #define KT(T)                                                         \
   if (t0 + T < NT) {                                                  \
     _tile_loadd(6, it.kth.data() + ((t0 + T) * 2 + h) * 512, 64);     \
-    _tile_loadd(7, it.ktl.data() + ((t0 + T) * 2 + h) * 512, 64);     \
+    if (!g_plain) _tile_loadd(7, it.ktl.data() + ((t0 + T) * 2 + h) * 512, 64); \
     _tile_dpbf16ps(T, 4, 6);                                          \
-    _tile_dpbf16ps(T, 4, 7);                                          \
-    _tile_dpbf16ps(T, 5, 6);                                          \
+    if (!g_plain) {                                                   \
+      _tile_dpbf16ps(T, 4, 7);                                        \
+      _tile_dpbf16ps(T, 5, 6);                                        \
+    }                                                                 \
   }
         KT(0) KT(1) KT(2) KT(3)
 #undef KT
@@ -241,13 +246,15 @@ void values(Item& it) {  // out = P V / l, the four column tiles in tiles 0-3 ac
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int st = 0; st < NP / 32; ++st) {
       _tile_loadd(4, it.ph.data() + rb * 16 * NP + st * 32, NP * 2);
-      _tile_loadd(5, it.pl.data() + rb * 16 * NP + st * 32, NP * 2);
+      if (!g_plain) _tile_loadd(5, it.pl.data() + rb * 16 * NP + st * 32, NP * 2);
 #define VC(C)                                                   \
   _tile_loadd(6, it.vph.data() + ((st * 4 + C) * 16) * 32, 64); \
-  _tile_loadd(7, it.vpl.data() + ((st * 4 + C) * 16) * 32, 64); \
+  if (!g_plain) _tile_loadd(7, it.vpl.data() + ((st * 4 + C) * 16) * 32, 64); \
   _tile_dpbf16ps(C, 4, 6);                                      \
-  _tile_dpbf16ps(C, 4, 7);                                      \
-  _tile_dpbf16ps(C, 5, 6);
+  if (!g_plain) {                                               \
+    _tile_dpbf16ps(C, 4, 7);                                    \
+    _tile_dpbf16ps(C, 5, 6);                                    \
+  }
       VC(0) VC(1) VC(2) VC(3)
 #undef VC
     }
@@ -311,6 +318,8 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "plain") == 0) g_plain = true, --argc, ++argv;
+  std::printf("%s\n", g_plain ? "plain bf16: one product a pair" : "bf16 hi + lo: three products a pair");
   if (!SYS_arch_prctl_ok) return std::puts("no AMX permission"), 1;
   configure();
   Item one(7);

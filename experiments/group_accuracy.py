@@ -9,8 +9,12 @@ group size asked for. Where this machine has no AVX-512, it is how lanes8's accu
 
     python experiments/group_accuracy.py [--model smollm2-135m] [--groups 32,64] [--out FILE]
 
-A setting may give some linears (by their name in the model) a group of their own: --groups 32,32:gate_proj=64:up_proj=64
-is groups of 32 everywhere, then the same with the MLP's gate and up projections at 64.
+A setting may give some linears (by their name in the model) a group of their own: --groups 32,32:gate_up_proj=64 is
+groups of 32 everywhere, then the same with the MLP's gate and up projection at 64. `attn=bf16` in a setting also
+runs the attention as an AMX bf16 kernel would (experiments/amx_attention_probe.cpp with one product): queries and
+keys rounded to bf16 for the scores, exp(s - max) in float32, its bf16 rounding times values rounded to bf16, summed
+in float32 and divided by the float32 sum; every row of the one forward so, an upper bound on a kernel that keeps
+a prefill's newest row in float32.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mvllm.engine import quant
@@ -60,10 +65,28 @@ def swap(module: nn.Module, group: int, by_name: dict[str, int]) -> None:
             swap(child, group, by_name)
 
 
-def parse(setting: str) -> tuple[int, dict[str, int]]:
-    """"32:gate_proj=64" -> (32, {"gate_proj": 64})."""
+def parse(setting: str) -> tuple[int, dict[str, int], str]:
+    """"32:gate_up_proj=64:attn=bf16" -> (32, {"gate_up_proj": 64}, "bf16")."""
     first, *rest = setting.split(":")
-    return int(first), {k: int(v) for k, v in (r.split("=") for r in rest)}
+    pairs = dict(r.split("=") for r in rest)
+    attn = pairs.pop("attn", "float32")
+    return int(first), {k: int(v) for k, v in pairs.items()}, attn
+
+
+def sdpa_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention with the products of a bf16 tile kernel (see the module's docstring)."""
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+    s = bf(q.float() * (q.shape[-1] ** -0.5 if scale is None else scale)) @ bf(k.float()).transpose(-2, -1)
+    if is_causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(1), float("-inf"))  # as torch: top-left aligned
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (bf(p) @ bf(v.float())) / p.sum(-1, keepdim=True)
 
 
 def main() -> None:
@@ -80,12 +103,17 @@ def main() -> None:
            "group stays float32", "command": f"python experiments/group_accuracy.py --groups {a.groups}",
            "environment": environment(a.model), "groups": {}}
     for setting in a.groups.split(","):
-        group, by_name = parse(setting)
+        group, by_name, attn = parse(setting)
         model = build_model(source, cpu, torch.float32)
         quant._untie(model)  # the LM head quantized too, as int8w does
         swap(model, group, by_name)
-        with torch.inference_mode():
-            got = accuracy.compare(ref.logits, accuracy.logits(model, ref.ids, cpu, torch.float32))
+        sdpa = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = sdpa_bf16 if attn == "bf16" else sdpa
+        try:
+            with torch.inference_mode():
+                got = accuracy.compare(ref.logits, accuracy.logits(model, ref.ids, cpu, torch.float32))
+        finally:
+            F.scaled_dot_product_attention = sdpa
         out["groups"][setting] = got
         print(f"group {setting}: mean KL {got['kl_mean']:.5f}, max {got['kl_max']:.3f}, top-1 {got['top1']:.2%}")
     if a.out:
