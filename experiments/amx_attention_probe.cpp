@@ -59,13 +59,11 @@ inline void dp(int c, int a, int b) {
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_dpbf16ps
-#undef _tile_loadconfig
 #undef _tile_release
 #define _tile_zero(t) emu::zero(t)
 #define _tile_loadd(t, p, s) emu::load(t, p, s)
 #define _tile_stored(t, p, s) emu::store(t, p, s)
 #define _tile_dpbf16ps(c, a, b) emu::dp(c, a, b)
-#define _tile_loadconfig(c) (void)(c)
 #define _tile_release() (void)0
 #define SYS_arch_prctl_ok true
 #else
@@ -81,6 +79,12 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+#if defined(EMULATE)
+inline void load_config(const TileConfig&) {}
+#else
+// All 64 bytes as the asm's input: GCC 12's _tile_loadconfig names 8, and the stores of rows and colsb were dropped.
+inline void load_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
+#endif
 
 bool g_plain = false;  // "plain": bf16 alone (lo = 0, one product), for the speed and error of that
 
@@ -310,7 +314,7 @@ double reference_error(const Item& it, double* rel) {  // the largest |out - exa
 void configure() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  load_config(c);
 }
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }

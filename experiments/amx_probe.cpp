@@ -28,6 +28,8 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+// All 64 bytes as the asm's input: GCC 12's _tile_loadconfig names 8, and the stores of rows and colsb were dropped.
+inline void load_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 
 void configure(int m1, int m2) {
   TileConfig c;
@@ -35,7 +37,7 @@ void configure(int m1, int m2) {
   for (int t = 0; t < 4; ++t) c.rows[t] = m[t / 2], c.colsb[t] = 64;
   for (int t : {4, 5}) c.rows[t] = m[t - 4], c.colsb[t] = kG;
   for (int t : {6, 7}) c.rows[t] = kG / 4, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  load_config(c);
 }
 
 // One thread's problem: rows x outs over K, weights in lanes8 (per tile of 16 outputs: per group, K/4 rows of 64

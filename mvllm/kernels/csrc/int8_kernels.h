@@ -729,6 +729,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, so the stores of rows and colsb
+// were dropped as dead and ldtilecfg faulted (SIGSEGV) on a Sapphire Rapids host; this asm reads all 64 bytes.
+inline void load_tile_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
+
 // Tiles 0-3: sums (rows x 16 int32; 0, 1 the first A tile's rows m1, 2, 3 the second's, m2); 4, 5: activations
 // (m1 and m2 rows x group bytes); 6, 7: weights (group / 4 rows of 64 bytes). Each thread keeps the shape it loaded,
 // so a pass of another row count loads a new configuration only when the shape changes.
@@ -744,7 +748,7 @@ void amx_configure(int64_t m1, int64_t m2) {
   for (int t = 0; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(m[t / 2]), c.colsb[t] = 64;
   for (int t : {4, 5}) c.rows[t] = static_cast<uint8_t>(m[t - 4]), c.colsb[t] = static_cast<uint16_t>(now.group);
   for (int t : {6, 7}) c.rows[t] = static_cast<uint8_t>(now.group / 4), c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  load_tile_config(c);
   now.m1 = m1, now.m2 = m2;
 }
 void amx_begin(int64_t group) { amx_shape = {group, 0, 0}; }
@@ -766,6 +770,8 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
   const uint8_t* w1 = w0 + kLaneOuts * in;
   const int8_t* x0 = p.x8 + r0 * in;
   const int8_t* x1 = x0 + m1 * in;
+  // GCC 12's tileloadd asm names no memory it reads: every store to the activations and weights is made first.
+  asm volatile("" : : : "memory");
   alignas(64) int32_t sums[2][kMaxChunk][RB * TB][kAmxRows * kLaneOuts];
   alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
   auto products = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
