@@ -8,10 +8,11 @@
 // (24 layers x 2 kv heads a step). Build and run (AMX, Linux):
 //   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/aap experiments/amx_attention_probe.cpp && /tmp/aap 8
 // (`/tmp/aap plain 8`: bf16 alone, one product, the lo halves zero and not loaded.)
+#include "../mvllm/kernels/csrc/amx_tiles.h"
+#include "../mvllm/kernels/csrc/exp16.h"
+
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -65,26 +66,12 @@ inline void dp(int c, int a, int b) {
 #define _tile_stored(t, p, s) emu::store(t, p, s)
 #define _tile_dpbf16ps(c, a, b) emu::dp(c, a, b)
 #define _tile_release() (void)0
-#define SYS_arch_prctl_ok true
-#else
-#define SYS_arch_prctl_ok (syscall(SYS_arch_prctl, 0x1023, 18) == 0)
 #endif
 
 namespace {
 constexpr int D = 64, kTokens = 19, kGroup = 7, R = kTokens * kGroup, RP = (R + 15) / 16 * 16;
 constexpr int kFirstLen = 497, N = kFirstLen + kTokens - 1, NP = (N + 31) / 32 * 32, NT = NP / 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-#if defined(EMULATE)
-inline void load_config(const TileConfig&) {}
-#else
-// All 64 bytes as the asm's input: GCC 12's _tile_loadconfig names 8, and the stores of rows and colsb were dropped.
-inline void load_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
-#endif
 
 bool g_plain = false;  // "plain": bf16 alone (lo = 0, one product), for the speed and error of that
 
@@ -206,20 +193,7 @@ void scores(Item& it) {  // S [RP][NP] = Q K^T, four key tiles at a time in tile
     }
 }
 
-__m512 exp16(__m512 x) {  // e^x for x <= 0 (x = -inf gives 0), about 1 ulp
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using mvllm::exp16;  // the engine's, as its float32 attention takes it (fused_kernels.h)
 
 void softmax(Item& it) {  // P = exp(S - max) over each row's keys (the rest 0), split; l its sum
   for (int r = 0; r < RP; ++r) {
@@ -311,11 +285,17 @@ double reference_error(const Item& it, double* rel) {  // the largest |out - exa
   return worst;
 }
 
+#if defined(EMULATE)
+bool permitted() { return true; }
+void configure() {}
+#else
+bool permitted() { return mvllm::request_tile_data(); }
 void configure() {
-  TileConfig c;
+  mvllm::TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  load_config(c);
+  mvllm::load_tile_config(c);
 }
+#endif
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -324,7 +304,7 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "plain") == 0) g_plain = true, --argc, ++argv;
   std::printf("%s\n", g_plain ? "plain bf16: one product a pair" : "bf16 hi + lo: three products a pair");
-  if (!SYS_arch_prctl_ok) return std::puts("no AMX permission"), 1;
+  if (!permitted()) return std::puts("no AMX permission"), 1;
   configure();
   Item one(7);
   attend(one, false);

@@ -5,10 +5,10 @@
 // V the 4 rows' vpdpbusd and float steps. If TV takes about max(T, V) rather than T + V, the tile unit and the
 // vector units work at once, and interleaving the VNNI rows into the AMX pass would pay. Build and run (AMX, Linux):
 //   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/amx_overlap experiments/amx_overlap.cpp && /tmp/amx_overlap 1 8 16
+#include "../mvllm/kernels/csrc/amx_tiles.h"
+
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,13 +22,6 @@
 namespace {
 constexpr int kG = 32, kLane = 16, kRows = 20, kOuts = 256, kIn = 896, kGroups = kIn / kG;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-// All 64 bytes as the asm's input: GCC 12's _tile_loadconfig names 8, and the stores of rows and colsb were dropped.
-inline void load_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 
 struct Work {
   std::vector<uint8_t> w = std::vector<uint8_t>(kOuts * kIn);
@@ -129,11 +122,11 @@ double timed(std::vector<Work>& works, int threads) {  // us a call, the median 
     double t0 = 0, t1 = 0;
 #pragma omp parallel num_threads(threads)
     {
-      TileConfig c;
+      mvllm::TileConfig c;
       for (int i : {0, 1}) c.rows[i] = 16, c.colsb[i] = 64;
       c.rows[4] = 16, c.colsb[4] = kG;
       for (int i : {6, 7}) c.rows[i] = kG / 4, c.colsb[i] = 64;
-      load_config(c);
+      mvllm::load_tile_config(c);
       Work& k = works[omp_get_thread_num()];
 #pragma omp barrier
 #pragma omp master
@@ -153,7 +146,7 @@ double timed(std::vector<Work>& works, int threads) {  // us a call, the median 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+  if (!mvllm::request_tile_data()) {
     std::puts("no AMX permission");
     return 1;
   }

@@ -3,10 +3,10 @@
 // each thread's own data at 1..T threads. Each variant's y is checked against the current kernel's, bit for bit,
 // where it computes the same thing. Build and run (a CPU with AMX, Linux):
 //   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/amx_probe experiments/amx_probe.cpp && /tmp/amx_probe 1 8 16
+#include "../mvllm/kernels/csrc/amx_tiles.h"
+
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -23,21 +23,14 @@ namespace {
 constexpr int kG = 32;    // inputs a group
 constexpr int kLane = 16;  // outputs a tile
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-// All 64 bytes as the asm's input: GCC 12's _tile_loadconfig names 8, and the stores of rows and colsb were dropped.
-inline void load_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 
 void configure(int m1, int m2) {
-  TileConfig c;
+  mvllm::TileConfig c;
   const int m[2] = {m1, m2};
   for (int t = 0; t < 4; ++t) c.rows[t] = m[t / 2], c.colsb[t] = 64;
   for (int t : {4, 5}) c.rows[t] = m[t - 4], c.colsb[t] = kG;
   for (int t : {6, 7}) c.rows[t] = kG / 4, c.colsb[t] = 64;
-  load_config(c);
+  mvllm::load_tile_config(c);
 }
 
 // One thread's problem: rows x outs over K, weights in lanes8 (per tile of 16 outputs: per group, K/4 rows of 64
@@ -288,8 +281,7 @@ const Variant kVariants[] = {
 }  // namespace
 
 int main(int argc, char** argv) {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return std::puts("no AMX permission"), 1;
+  if (!mvllm::request_tile_data()) return std::puts("no AMX permission"), 1;
   std::vector<int> threads;
   for (int i = 1; i < argc; ++i) threads.push_back(std::atoi(argv[i]));
   if (threads.empty()) threads = {1};

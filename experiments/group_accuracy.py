@@ -56,21 +56,28 @@ class Lanes8Emulated(nn.Module):
         return y.view(*x.shape[:-1], self.out)
 
 
-def swap(module: nn.Module, group: int, by_name: dict[str, int]) -> None:
+def swap(module: nn.Module, group: int, by_name: dict[str, int], seen: set[str]) -> None:
+    """Every linear whose inputs the group divides -> Lanes8Emulated; the names of by_name it met go in seen."""
     for name, child in module.named_children():
         g = by_name.get(name, group)
         if isinstance(child, nn.Linear) and child.in_features % g == 0:
             setattr(module, name, Lanes8Emulated(child, g))
+            seen.add(name)
         else:
-            swap(child, group, by_name)
+            swap(child, group, by_name, seen)
 
 
 def parse(setting: str) -> tuple[int, dict[str, int], str]:
     """"32:gate_up_proj=64:attn=bf16" -> (32, {"gate_up_proj": 64}, "bf16")."""
     first, *rest = setting.split(":")
-    pairs = dict(r.split("=") for r in rest)
-    attn = pairs.pop("attn", "float32")
-    return int(first), {k: int(v) for k, v in pairs.items()}, attn
+    try:
+        pairs = dict(r.split("=") for r in rest)
+        attn = pairs.pop("attn", "float32")
+        if attn not in ("float32", "bf16"):
+            raise ValueError(f"attn={attn}")
+        return int(first), {k: int(v) for k, v in pairs.items()}, attn
+    except ValueError as e:
+        raise SystemExit(f"bad --groups setting {setting!r} ({e}): GROUP[:LINEAR=GROUP...][:attn=bf16]") from None
 
 
 def sdpa_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -95,6 +102,7 @@ def main() -> None:
     ap.add_argument("--groups", default="32,64")
     ap.add_argument("--out")
     a = ap.parse_args()
+    settings = {setting: parse(setting) for setting in a.groups.split(",")}
     source = resolve(a.model)
     ref = accuracy.Reference(source)
     cpu = torch.device("cpu")
@@ -102,11 +110,13 @@ def main() -> None:
            "over mvllm/data/eval.txt in one forward, against float32; a linear whose inputs are not a multiple of the "
            "group stays float32", "command": f"python experiments/group_accuracy.py --groups {a.groups}",
            "environment": environment(a.model), "groups": {}}
-    for setting in a.groups.split(","):
-        group, by_name, attn = parse(setting)
+    for setting, (group, by_name, attn) in settings.items():
         model = build_model(source, cpu, torch.float32)
         quant._untie(model)  # the LM head quantized too, as int8w does
-        swap(model, group, by_name)
+        seen: set[str] = set()
+        swap(model, group, by_name, seen)
+        if missing := sorted(set(by_name) - seen):
+            raise SystemExit(f"--groups {setting!r}: no linear of {a.model} named {', '.join(missing)} takes that group")
         sdpa = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = sdpa_bf16 if attn == "bf16" else sdpa
         try:

@@ -26,9 +26,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "exp16.h"
 
 namespace mvllm::fused {
 namespace {
@@ -41,23 +39,6 @@ constexpr int64_t kMinChunk = 32;  // attention: keys per work item at least
 
 #if defined(__AVX512F__)
 __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
-
-// exp(x), x clamped to [-103, 88.3]: Cephes' degree-5 polynomial on [-ln2/2, ln2/2] times 2^n (about 1 ulp).
-__m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 #endif
 
 #if !defined(__AVX512F__)
@@ -77,7 +58,7 @@ inline f32x8 exp8(f32x8 x);
 #endif
 
 // exp(x) for x <= 0 (a score minus the running max), clamped at -87, in a GCC/Clang vector of any width (F floats,
-// I the int32 vector of as many lanes): exp16's polynomial, 2^n from the exponent bits. Round to nearest by adding
+// I the int32 vector of as many lanes): exp16's polynomial (exp16.h), 2^n from the exponent bits. Round to nearest by adding
 // and subtracting 1.5 * 2^23.
 template <class F, class I>
 inline F exp_lanes(F x) {

@@ -19,10 +19,7 @@
 #include <optional>
 #include <string>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -716,22 +713,9 @@ void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stag
 constexpr bool kHasAmx = true;
 
 bool amx_permitted() {  // the kernel's permission for this process to use the tile data state
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
+  static const bool ok = request_tile_data();
   return ok;
 }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, so the stores of rows and colsb
-// were dropped as dead and ldtilecfg faulted (SIGSEGV) on a Sapphire Rapids host; this asm reads all 64 bytes.
-inline void load_tile_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 
 // Tiles 0-3: sums (rows x 16 int32; 0, 1 the first A tile's rows m1, 2, 3 the second's, m2); 4, 5: activations
 // (m1 and m2 rows x group bytes); 6, 7: weights (group / 4 rows of 64 bytes). Each thread keeps the shape it loaded,
