@@ -103,7 +103,8 @@ def profile(
     lengths: str = typer.Option("128,256,516,1024", help="Cold-prefill prompt lengths (516 sets prefill_rate)."),
     repeats: int = typer.Option(5, help="Repetitions per measurement (the median is kept)."),
     steps: int = typer.Option(16, help="Timed decode steps per batch size."),
-    max_active: int = typer.Option(None, help="Override every backend's max_active (decode batches 1..N)."),
+    max_active: int = typer.Option(None, help="Override every backend's max_active, the largest decode batch "
+                                              "measured (default 4; on CUDA what the KV pool holds, at most 256)."),
     accuracy: bool = typer.Option(True, help="Also measure each backend's mean KL and top-1 agreement against "
                                              "the float32 model on a fixed English text (real weights only)."),
     serving: bool = typer.Option(False, "--serving", help="Then start the backends as `mvllm serve` does and "
@@ -114,8 +115,9 @@ def profile(
                                           "then the timed steps, at batch 1 and 4 (rows that line up with "
                                           "`llama-bench -d`); saved as each backend's \"contexts\"."),
 ):
-    """Measure each backend alone: cold and warm prefill, decode step time at every batch size, the
-    prefill_rate/decode_rate the router uses, and accuracy against float32, into one JSON profile."""
+    """Measure each backend alone: cold and warm prefill, decode step time by batch size (each up to 64, then
+    CUDA's graph sizes), the prefill_rate/decode_rate the router uses, and accuracy against float32, into one
+    JSON profile."""
     from mvllm.profile.run import cli_profile
 
     cli_profile(model, backends, out, json_out, baseline, lengths, repeats, steps, max_active, console, accuracy,
@@ -133,7 +135,8 @@ def serve(
                                            "booked work, split:K the first K requests to the backend named cpu "
                                            "(default: eta with --profile, else gpu-only)."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
-    max_active: int = typer.Option(None, help="Most running requests per backend (default 4)."),
+    max_active: int = typer.Option(None, help="Most running requests per backend (default 4; on CUDA what the "
+                                              "KV pool holds of 1,024-token requests, at most 256)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     routing_log: str = typer.Option(None, help="Write one JSON line per routing decision here."),
@@ -171,6 +174,12 @@ def bench(
     json_out: bool = typer.Option(False, "--json", help="Print the aggregate as JSON on stdout."),
     goodput: list[str] = typer.Option(None, metavar="KEY:MS",
                                       help=GOODPUT_HELP + " Replaces the experiment's `goodput` table."),
+    client_workers: int = typer.Option(None, help="Client processes that share the load (default: the "
+                                                  "experiment's `client_workers`, else a quarter of the cores, "
+                                                  "1 to 8)."),
+    selftest: bool = typer.Option(False, "--selftest", help="Instead: measure the client's own ceiling here, "
+                                                            "streaming from a stub server (1,024 streams of "
+                                                            "256 tokens)."),
 ):
     """Replay a workload against mvllm servers it starts, policy against policy, and save what a user would feel:
     TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
@@ -181,7 +190,18 @@ def bench(
     from mvllm.bench.metrics import parse_slo
     from mvllm.bench.runner import bench as run
 
+    if client_workers is not None and client_workers < 1:
+        raise MvllmError(f"--client-workers must be at least 1, got {client_workers}")
+    if selftest:
+        from mvllm.bench.selftest import ceiling, line
+
+        with console.status("measuring the client's ceiling against the stub server"):
+            result = ceiling(client_workers)
+        print(json.dumps(result, indent=2) if json_out else line(result))
+        return
     exp = ex.load(experiment) if experiment else ex.default(model)
+    if client_workers is not None:
+        exp.client_workers = client_workers
     if goodput:
         exp.goodput = parse_slo(goodput)
     policies = [p.strip() for p in policy.split(",") if p.strip()] if policy else None

@@ -2,7 +2,7 @@
 
 Each request is sent at its scheduled time on the clock (no request waits for an earlier one),
 every received chunk is stamped before it is parsed, and a failing request is recorded as failed
-while the others go on.
+while the others go on. One process runs `replay`; bench/loadgen.py spreads a load over several.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from collections.abc import Callable
 
 import httpx
 
+from mvllm.bench.health import Health
+from mvllm.bench.http import Exchange, Pool, ProtocolError, ResponseParser
 from mvllm.bench.metrics import RequestRecord
 from mvllm.bench.workload import Request, full_prompt, reply_tokens
+from mvllm.errors import MvllmError
 
 
 def payload(model: str | None, req: Request, prompt: list[int] | None = None, stop: str = "field") -> dict:
@@ -32,6 +35,15 @@ def payload(model: str | None, req: Request, prompt: list[int] | None = None, st
     if model:
         body["model"] = model
     return body
+
+
+try:
+    from orjson import dumps, loads
+except ImportError:  # the stdlib's, where orjson is not installed
+    def dumps(obj) -> bytes:
+        return json.dumps(obj).encode()
+
+    loads = json.loads
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -76,12 +88,17 @@ def _take(rec: RequestRecord, data: dict, stamp: float, reply: list[int]) -> int
     return n
 
 
-async def send(http: httpx.AsyncClient, url: str, model: str | None, req: Request, t0: float,
-               rec: RequestRecord, prompt: list[int] | None = None, stop: str = "field",
-               reply: list[int] | None = None) -> None:
+class Cut(Exception):
+    """The client stops reading: a hidden length reached (stop = "disconnect"), or an error chunk."""
+
+
+async def send(pool: Pool, model: str | None, req: Request, t0: float, rec: RequestRecord,
+               prompt: list[int] | None = None, stop: str = "field", reply: list[int] | None = None,
+               timeout: float = 600.0) -> None:
     """One request, sent at rec.arrival (seconds after t0). `prompt`: the tokens to send (a follow-up turn's
     whole prompt); `reply` receives the token ids the server streams back. stop = "disconnect": a hidden-length
-    request is read up to its true length and the connection closed (finish_reason "disconnect")."""
+    request is read up to its true length and the connection closed (finish_reason "disconnect"). Every read
+    is stamped on receipt, before its chunks are parsed; `timeout`: the most seconds between two reads."""
     delay = t0 + rec.arrival - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
@@ -89,102 +106,149 @@ async def send(http: httpx.AsyncClient, url: str, model: str | None, req: Reques
     rec.max_tokens, rec.target_tokens, rec.parent = req.cap, req.output_tokens, req.parent
     reply = [] if reply is None else reply
     cut = req.output_tokens if (not req.told and stop == "disconnect") else None
-    done = usage = False
-    got = 0
+    body = pool.request("/v1/completions", dumps(payload(model, req, prompt, stop)))
+    state = {"stamp": 0.0, "got": 0, "done": False, "usage": False}
+
+    def on_read(stamp: float) -> None:
+        state["stamp"] = stamp - t0
+
+    def on_data(data: bytes) -> None:
+        if data == b"[DONE]":
+            state["done"] = True
+            return
+        chunk = loads(data)
+        if "error" in chunk:
+            err = chunk["error"]
+            rec.error = f"server error: {err.get('message', err) if isinstance(err, dict) else err}"
+            raise Cut
+        state["got"] += _take(rec, chunk, state["stamp"], reply)
+        state["usage"] = state["usage"] or bool(chunk.get("usage"))
+        if cut is not None and state["got"] >= cut:
+            raise Cut
+
     try:
-        async with http.stream("POST", f"{url}/v1/completions", json=payload(model, req, prompt, stop)) as resp:
-            rec.backend = resp.headers.get("x-mvllm-backend", "")
-            if resp.status_code != 200:
-                rec.error = _error_text(resp.status_code, await resp.aread())
-                return
-            buf = b""
-            async for piece in resp.aiter_bytes():
-                stamp = time.perf_counter() - t0
-                buf += piece
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    body = line[5:].strip()
-                    if body == b"[DONE]":
-                        done = True
-                        continue
-                    data = json.loads(body)
-                    if "error" in data:
-                        rec.error = f"server error: {data['error'].get('message', data['error'])}"
-                        return
-                    got += _take(rec, data, stamp, reply)
-                    usage = usage or bool(data.get("usage"))
-                    if cut is not None and got >= cut:
-                        break
-                if cut is not None and got >= cut:  # leaving the block closes the connection
-                    done, usage, rec.finish_reason, rec.output_tokens = True, True, "disconnect", cut
-                    del reply[cut:]
-                    break
-        if not done:
+        parser = await _exchange(pool, body, on_data, on_read, timeout)
+        rec.backend = rec.backend or parser.headers.get("x-mvllm-backend", "")
+        if parser.status != 200:
+            rec.error = _error_text(parser.status, bytes(parser.body))
+        elif not state["done"]:
             rec.error = "the stream ended before data: [DONE]"
         elif rec.first_token is None:
             rec.error = "the stream carried no tokens"
-    except (httpx.HTTPError, OSError, ValueError) as e:
+    except Cut:
+        if not rec.error:  # the hidden length reached: leaving closed the connection
+            state["usage"], rec.finish_reason, rec.output_tokens = True, "disconnect", cut
+            del reply[cut:]
+    except (OSError, ProtocolError, ValueError, asyncio.TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     finally:
         if not rec.backend and not rec.error:
             rec.backend = "server"  # a server that does not say which backend served the request
         if rec.chunks:
             rec.finish = rec.chunks[-1]
-            if not usage:
+            if not state["usage"]:
                 rec.output_tokens = len(rec.chunks)
         if rec.error:
             rec.finish = rec.finish if rec.finish is not None else time.perf_counter() - t0
 
 
+async def _exchange(pool: Pool, request: bytes, on_data, on_read, timeout: float) -> ResponseParser:
+    """Send on a kept-alive connection (once more on a new one if the kept one was closed before any reply)
+    and wait for the whole response."""
+    for attempt in (0, 1):
+        ex = await pool.get()
+        reused = ex.idle_since > 0
+        ex.start(request, on_data, on_read)
+        try:
+            parser = await _wait(ex, timeout)
+        except (OSError, ProtocolError):
+            ex.close()
+            if reused and ex.reads == 0 and attempt == 0:
+                continue
+            raise
+        except BaseException:
+            ex.close()
+            raise
+        pool.put(ex, parser.reusable)
+        return parser
+    raise ProtocolError("unreachable")
+
+
+async def _wait(ex: Exchange, timeout: float) -> ResponseParser:
+    """The response, once whole; a gap of `timeout` s with no read ends it."""
+    while True:
+        left = ex.last_read + timeout - time.perf_counter()
+        if left <= 0:
+            raise asyncio.TimeoutError(f"no data from the server for {timeout:g} s")
+        try:
+            return await asyncio.wait_for(asyncio.shield(ex.ended), left)
+        except asyncio.TimeoutError:
+            if ex.ended.done():
+                return ex.ended.result()
+
+
 async def replay(url: str, model: str | None, requests: list[Request], timeout: float,
                  on_done: Callable[[RequestRecord], None] | None = None, stop: str = "field",
-                 vocab: int = 32000) -> tuple[list[RequestRecord], float, float]:
-    """Replay `requests` open loop; returns the records, the replay's wall time in seconds, and the
-    wall-clock time (time.time()) of its start, to line client times up with the server's logs. A follow-up
-    turn waits for its parent's reply, then its think time; its prompt is the parent's whole prompt, the reply
-    (the ids the server streamed, else the stand-in of its length) and its own tokens. A turn whose parent
-    failed fails too."""
+                 vocab: int = 32000, t0: float | None = None, health: Health | None = None,
+                 ) -> tuple[list[RequestRecord], float, float]:
+    """Replay `requests` open loop in this process; returns the records, the replay's wall time in seconds,
+    and the wall-clock time (time.time()) of its start, to line client times up with the server's logs. A
+    follow-up turn waits for its parent's reply, then its think time; its prompt is the parent's whole
+    prompt, the reply (the ids the server streamed, else the stand-in of its length) and its own tokens. A
+    turn whose parent failed fails too. `t0`: the start on time.perf_counter's clock (a later one waits);
+    `health` collects the client's own lag and CPU. A load of several processes: bench/loadgen.py."""
     records = {r.id: RequestRecord(r.id, r.arrival, prompt_tokens=len(r.prompt)) for r in requests}
     ended = {r.id: asyncio.Event() for r in requests}
     prompts: dict[int, list[int]] = {}
     replies: dict[int, list[int]] = {}
-    # an idle connection is dropped after 2 s, before a server's keep-alive ends (uvicorn's default: 5 s): a
-    # request sent on a connection the server is closing fails with ReadError (one did on the H200 trace runs)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as http:
-        t0, t0_wall = time.perf_counter(), time.time()
+    pool = Pool(url)
+    if t0 is not None and t0 > time.perf_counter():
+        await asyncio.sleep(t0 - time.perf_counter())
+    t0 = time.perf_counter() if t0 is None else t0
+    t0_wall = time.time() - (time.perf_counter() - t0)
+    watch = (health or Health()).watch()
 
-        async def one(req: Request) -> None:
-            rec = records[req.id]
-            try:
-                if req.parent is not None:
-                    await ended[req.parent].wait()
-                    parent = records[req.parent]
-                    if not parent.ok:
-                        rec.arrival = rec.finish = time.perf_counter() - t0
-                        rec.error = f"its parent request {req.parent} failed"
-                        return
-                    reply = replies.get(req.parent) or []
-                    if len(reply) != parent.output_tokens:  # a server that streams text: the stand-in reply
-                        reply = reply_tokens(req.parent, parent.output_tokens, vocab)
-                    rec.arrival = parent.finish + req.arrival
-                    prompts[req.id] = full_prompt(req, prompts[req.parent], reply)
-                else:
-                    prompts[req.id] = req.prompt
-                rec.prompt_tokens = len(prompts[req.id])
-                replies[req.id] = []
-                await send(http, url, model, req, t0, rec, prompts[req.id], stop, replies[req.id])
-            finally:
-                ended[req.id].set()
-            if on_done is not None:
-                on_done(rec)
+    async def one(req: Request) -> None:
+        rec = records[req.id]
+        try:
+            if req.parent is not None:
+                await ended[req.parent].wait()
+                parent = records[req.parent]
+                if not parent.ok:
+                    rec.arrival = rec.finish = time.perf_counter() - t0
+                    rec.error = f"its parent request {req.parent} failed"
+                    return
+                reply = replies.get(req.parent) or []
+                if len(reply) != parent.output_tokens:  # a server that streams text: the stand-in reply
+                    reply = reply_tokens(req.parent, parent.output_tokens, vocab)
+                rec.arrival = parent.finish + req.arrival
+                prompts[req.id] = full_prompt(req, prompts[req.parent], reply)
+            else:
+                prompts[req.id] = req.prompt
+            rec.prompt_tokens = len(prompts[req.id])
+            replies[req.id] = []
+            await send(pool, model, req, t0, rec, prompts[req.id], stop, replies[req.id], timeout)
+        finally:
+            ended[req.id].set()
+        if on_done is not None:
+            on_done(rec)
 
+    try:
         await asyncio.gather(*(one(r) for r in requests))
-        duration = time.perf_counter() - t0
+    finally:
+        pool.close()
+        watch.cancel()
+    duration = time.perf_counter() - t0
     return [records[r.id] for r in requests], duration, t0_wall
+
+
+def check_reachable(url: str) -> None:
+    """One clear line, before anything runs, for a server that does not answer."""
+    try:
+        httpx.get(f"{url}/v1/models", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise MvllmError(f"cannot reach the server at {url}: {type(e).__name__}"
+                         f"{': ' + str(e) if str(e) else ''}") from None
 
 
 def served_model(url: str) -> str | None:

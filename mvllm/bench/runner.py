@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import subprocess
@@ -16,9 +15,11 @@ from rich.console import Console
 
 from mvllm import env as envinfo
 from mvllm.backends.spec import default_backends, parse_backends, set_option
-from mvllm.bench.client import replay, served_model
+from mvllm.bench.client import check_reachable, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
 from mvllm.bench.experiment import Experiment, ExperimentError, check_policy, find_profile
+from mvllm.bench.health import summarize_client, warning
+from mvllm.bench.loadgen import auto_workers, generate
 from mvllm.bench.metrics import summarize
 from mvllm.bench.process import ServerError, ServerProcess
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
@@ -68,6 +69,28 @@ def measure(exp: Experiment, path: Path, console: Console) -> None:
     if done.returncode != 0 or not path.is_file():
         last = "\n".join("    " + x for x in (done.stderr or done.stdout).strip().splitlines()[-10:])
         raise MvllmError(f"`mvllm profile` failed (exit {done.returncode}):\n{last}")
+
+
+def check_profile(exp: Experiment, policies: list[str], profile: Path | None) -> None:
+    """A policy that prices backends by their speed needs a profile that has every backend: said before the
+    first run, not after the policies before it have run."""
+    from mvllm.routing.policies import make_policy
+    from mvllm.server.serve import read_rates
+
+    for _, point in exp.points():
+        specs = parse_backends(backend_text(point), point.max_active)
+        names = [s.name for s in specs]
+        rates = read_rates(str(profile), specs) if profile else {}
+        for policy in policies:
+            p = make_policy(policy, names)
+            if not (p.needs_rates or p.needs_timing or p.needs_drain):
+                continue
+            missing = [b for b in names if not {"prefill_rate", "decode_rate"} <= set(rates.get(b) or {})]
+            if missing:
+                raise ExperimentError(f"policy {policy} needs each backend's profiled speed, and "
+                                      f"{'no profile has' if not profile else f'{profile} lacks'} backend(s) "
+                                      f"{', '.join(missing)}: set profile = \"auto\" in {exp.name}'s file "
+                                      "(bench measures it) or a profile made by `mvllm profile`")
 
 
 def server_args(exp: Experiment, policy: str, profile: Path | None, routing_log: Path) -> list[str]:
@@ -154,9 +177,10 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
         model = served_model(url) or exp.model
         stop = "disconnect" if server is None else "field"  # any OpenAI server: stop reading at the length
         display = RunDisplay(console, label, len(requests))
+        workers = exp.client_workers or auto_workers()
         with display if not quiet else nullcontext():
-            records, duration, start = asyncio.run(replay(url, model, requests, exp.request_timeout,
-                                                   None if quiet else display.done, stop, vocab))
+            records, duration, start, health = generate(url, model, requests, exp.request_timeout, workers,
+                                                        None if quiet else display.done, stop, vocab)
     finally:
         if servers is not None and servers.mode == "fresh":
             servers.stop()
@@ -171,7 +195,10 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
                "url": url if server is None else None, "profile": str(servers.profile) if server and servers.profile
                else None, "workload": workload, "start_time": start, **meta}
     summary.update(summarize(records, duration, exp.goodput))
+    summary["client"] = summarize_client(records, health, summary["median_ttft_ms"])
     write_requests(folder / "requests.csv", records)
+    if not quiet and (line := warning(summary["client"])):
+        console.print(f"[yellow]{label}: {line}[/yellow]", highlight=False)
     return summary
 
 
@@ -207,12 +234,16 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
         for _, point in exp.points():
             parse_backends(backend_text(point), point.max_active)
     url = url.rstrip("/") if url else None
+    if url is not None:
+        check_reachable(url)
     out.mkdir(parents=True, exist_ok=True)
     if exp.path is not None and exp.path.resolve() != (out / "experiment.toml").resolve():
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
     built = workloads(exp, out, console, quiet)
     profile = find_profile(exp, out, lambda e, path: measure(e, path, console)) if url is None else None
+    if url is None:
+        check_profile(exp, policies, profile)
     servers = Servers(exp.server, out, profile) if url is None else None
     total = len(exp.points()) * len(policies) * runs
     knob = exp.sweep.knob if exp.sweep else None

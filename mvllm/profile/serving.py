@@ -27,6 +27,7 @@ import httpx
 
 from mvllm.backends.spec import BackendSpec, split_device
 from mvllm.bench.client import send
+from mvllm.bench.http import Pool
 from mvllm.bench.metrics import RequestRecord
 from mvllm.bench.process import ServerProcess
 from mvllm.bench.workload import Request
@@ -68,6 +69,7 @@ def served_backends(specs: list[BackendSpec], text: str, names: dict[str, str]) 
 class Client:
     def __init__(self, url: str, model: str, http: httpx.AsyncClient, tokens):
         self.url, self.model, self.http, self.tokens = url, model, http, tokens
+        self.pool = Pool(url)
         self.ids = 0
 
     async def post(self, path: str, body: dict) -> dict:
@@ -83,7 +85,7 @@ class Client:
         self.ids += 1
         req = Request(self.ids, prompt, max_tokens, 0.0)
         rec = RequestRecord(req.id, 0.0, prompt_tokens=len(prompt))
-        return rec, asyncio.ensure_future(send(self.http, self.url, self.model, req, time.perf_counter(), rec))
+        return rec, asyncio.ensure_future(send(self.pool, self.model, req, time.perf_counter(), rec))
 
     async def run(self, prompts: list[list[int]], max_tokens: int, role: str) -> list[RequestRecord]:
         started = [self.start(p, max_tokens) for p in prompts]
