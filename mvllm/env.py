@@ -1,8 +1,8 @@
 """The environment a run was measured in (devices, CPU, library versions, git commit, command line: `describe`),
 and `mvllm env`: what this machine will run, before anything is loaded (as vLLM's collect-env and llama.cpp's
 system info): the torch build, the devices, and for each backend of a spec the mode it picks and why, its
-threads, and whether each of its kernels built (or the compiler's first error). `profile` records the same
-facts in every profile."""
+threads, its max_active and why, and whether each of its kernels built (or the compiler's first error).
+`profile` records the same facts in every profile."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ import os
 import platform
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from mvllm import machine
-from mvllm.backends.spec import BackendSpec, parse_backends, share_cores
+from mvllm.backends.spec import BackendSpec, is_cuda, parse_backends, share_cores
+from mvllm.model.config import ModelConfig
+from mvllm.model.presets import DEFAULT_MODEL, PRESETS
 
 
 def cpu_name() -> str:
@@ -122,16 +125,31 @@ def kernel_state(module) -> dict:
     return state
 
 
-def backend_facts(spec: BackendSpec) -> dict:
-    """The mode, threads and kernels `serve` would give this backend (after share_cores)."""
+def max_active(spec: BackendSpec, config, model: str, model_cfg) -> tuple[int, str]:
+    """The max_active a local backend runs with and why: set, or its device's default (engine/sizes.py), which
+    on CUDA depends on the model's KV pool."""
+    from mvllm.engine.engine import served_pool
+
+    _, auto, why = served_pool(replace(config, max_active=None), model_cfg)
+    if spec.max_active is None:
+        return auto, f"{model}: {why}"
+    if spec.max_active == auto and not is_cuda(spec.device):
+        return auto, why
+    return spec.max_active, "set"
+
+
+def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None) -> dict:
+    """The mode, threads and kernels `serve` would give this backend (after share_cores); `model_cfg`: the
+    model's config (default: the default model's shapes), which sizes a CUDA backend's default max_active."""
     if spec.remote:
         return {"device": spec.device, "remote": True, "max_active": spec.max_active}
     config = spec.engine_config("-")
     config.validate()
     device = torch.device(config.device)
     dtype = config.dtype or {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}[device.type]
+    most, why = max_active(spec, config, model, model_cfg or ModelConfig.from_dict(PRESETS[DEFAULT_MODEL]))
     facts = {"device": spec.device, "dtype": dtype, "quant": config.quant, "threads": spec.threads,
-             "max_active": spec.max_active, "overlap": config.overlap}
+             "max_active": most, "max_active_why": why, "overlap": config.overlap}
     if device.type == "cpu":
         facts["picked"] = config.picked
         facts["kernels"] = kernels(spec, dtype, config.quant)
@@ -168,7 +186,8 @@ def render(facts: dict) -> str:
             lines.append(f"  {name:<10}  {f['device']}: a remote server, measured over HTTP")
             continue
         mode = f"{f['dtype']}" + ("" if f["quant"] == "none" else f" {f['quant']}")
-        head = f"  {name:<10}  {f['device']}: {mode}, {f['threads']} thread(s), max_active {f['max_active']}"
+        head = (f"  {name:<10}  {f['device']}: {mode}, {f['threads']} thread(s), max_active {f['max_active']} "
+                f"({f['max_active_why']})")
         lines.append(head + (f", overlap {'on' if f['overlap'] else 'off'}"))
         if "picked" in f:
             lines.append(f"  {'':<10}  mode: {f['picked']}")

@@ -26,7 +26,8 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | None = None,
-                 max_active: int = 4, **engine_kwargs):
+                 max_active: int | None = None, **engine_kwargs):
+        """max_active None: 4 on the CPU and MPS; on CUDA what the KV pool holds, at most 256 (engine/sizes.py)."""
         self.engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, max_active=max_active,
                                           **engine_kwargs))
         self.tokenizer = Tokenizer(load_tokenizer(self.engine.source), model)

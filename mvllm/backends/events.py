@@ -1,7 +1,7 @@
 """The messages between the Cluster and its backends, one class each.
 
 A worker process (process.py) sends Ready or Failed once, when its engine has loaded or could not, then
-Scheduled, Step, Error, Aborted and a Reply for each Call; its parent adds Dead when the process ends.
+Scheduled, Step, KvEvents, Error, Aborted and a Reply for each Call; its parent adds Dead when the process ends.
 A remote server (remote.py) has no process: its RemoteBackend makes the same events from the HTTP streams,
 and Done, Lost, Load and Up besides. The Cluster receives every event but Ready, Failed and Reply (those are
 answered by the backend itself) through `Backend.listen`, and matches on the classes.
@@ -49,10 +49,20 @@ class Scheduled:
 @dataclass(slots=True, frozen=True)
 class Step:
     """One step's tokens, (request id, token, finish reason or None), and the backend's load after it (sent
-    even with no token: the load shows the blocks freed)."""
+    even with no token: the load shows the blocks freed); kv: its prefix cache's changes (as KvEvents')."""
 
     tokens: list[tuple[str, int, str | None]]
     load: dict
+    kv: tuple[list[tuple[int, tuple[int, ...]]], list[int]] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class KvEvents:
+    """A worker's prefix cache changed outside a step (a warm, a reset): the blocks now cached, (hash, tokens),
+    and the hashes gone (BlockManager.take_events). Sent before the Reply of the call that changed it."""
+
+    stored: list[tuple[int, tuple[int, ...]]]
+    removed: list[int]
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,7 +119,7 @@ class Dead:
     """The backend is gone: its worker process ended, or the remote failed its health probe."""
 
 
-BackendEvent = Scheduled | Step | Error | Aborted | Done | Lost | Load | Up | Dead
+BackendEvent = Scheduled | Step | KvEvents | Error | Aborted | Done | Lost | Load | Up | Dead
 
 
 # --- commands: the parent to a worker, and the worker's replies ------------------------------------------
@@ -154,4 +164,4 @@ class Reply:
     value: Any
 
 
-FromWorker = Ready | Failed | Scheduled | Step | Error | Aborted | Reply  # what a worker process sends
+FromWorker = Ready | Failed | Scheduled | Step | KvEvents | Error | Aborted | Reply  # what a worker process sends

@@ -2,7 +2,9 @@
 
 Child side: `worker_main` owns an Engine; a control thread answers look-ups at once (cached prefix, load
 snapshot) and queues submit/abort/warm/shutdown for the engine loop, which steps while there is work and
-blocks (no busy waiting) while there is none. Parent side: `ProcessBackend`. The messages are events.py's.
+blocks (no busy waiting) while there is none. The engine loop sends the prefix cache's changes (KV events)
+with each step, and before the reply of a call that made them, so the server's index of the worker's cache
+is up to date whenever it sees a step or a reply. Parent side: `ProcessBackend`. The messages are events.py's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mvllm.backends.events import (
     Error,
     Failed,
     FromWorker,
+    KvEvents,
     Method,
     Ready,
     Reply,
@@ -102,6 +105,7 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
             send(Scheduled([(s.request_id, s.num_cached_tokens) for s in batch.prefill]))
 
     engine.on_schedule = on_schedule
+    engine.blocks.record_events()  # from an empty cache, as the server's index of it starts at Ready
     send(Ready({**snapshot(engine, spec), "ready_s": round(time.perf_counter() - start, 1)}))
     while True:
         try:
@@ -124,18 +128,29 @@ def _handle(engine: Engine, spec: BackendSpec, cmd: Submit | Abort | Call, send:
                 engine.add_request(token_ids, SamplingParams(**params), rid, arrival)
             except MvllmError as e:
                 send(Error(rid, str(e)))
+            return
         case Abort(rid):
-            if (seq := engine.abort(rid)) is not None:
+            seq = engine.abort(rid)
+            _send_kv(engine, send)
+            if seq is not None:
                 send(Aborted(rid, seq.num_output_tokens, time.time()))
+            return
         case Call(call_id, "reset_prefix_cache"):
-            send(Reply(call_id, engine.reset_prefix_cache()))
+            value = engine.reset_prefix_cache()
         case Call(call_id, "warm", (token_ids,)):
             try:
-                send(Reply(call_id, engine.warm(token_ids)))
+                value = engine.warm(token_ids)
             except MvllmError as e:
-                send(Reply(call_id, e))
+                value = e
         case Call(call_id, method):
-            send(Reply(call_id, MvllmError(f"backend {spec.name} has no call {method!r}")))
+            value = MvllmError(f"backend {spec.name} has no call {method!r}")
+    _send_kv(engine, send)
+    send(Reply(call_id, value))
+
+
+def _send_kv(engine: Engine, send: Callable) -> None:
+    if (kv := engine.blocks.take_events()) is not None:
+        send(KvEvents(*kv))
 
 
 _reported: set[tuple] = set()  # the errors whose traceback this worker printed
@@ -170,12 +185,14 @@ def _step(engine: Engine, spec: BackendSpec, send: Callable) -> None:
         for rid in rids:
             engine.abort(rid)
             send(Error(rid, message))
+        _send_kv(engine, send)
         return
     if not outs:
+        _send_kv(engine, send)  # no token, yet it may have evicted blocks (overlap: the first step of a run)
         return
     tokens = [(o.seq.request_id, o.token, o.seq.finish_reason if o.finished else None)
               for o in outs if o.error is None]
-    send(Step(tokens, load(engine)))  # sent even with no token: the load shows the blocks freed
+    send(Step(tokens, load(engine), engine.blocks.take_events()))  # even with no token: it shows the blocks freed
     errors: dict[str, tuple[Exception, list[str]]] = {}  # one log line per distinct error of the step
     for o in outs:
         if o.error is not None:

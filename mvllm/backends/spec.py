@@ -5,18 +5,18 @@
           gpu=http://10.0.0.2:8000/max_active=8,cpu=cpu      (a remote server and a local CPU backend)
 
 Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode
-fastest here, see engine/quant.py), threads, max_active, num_blocks, kv_cache_gb, graphs (on|off),
-compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs), fused (on|off: the CPU's
-fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
-step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8
-kernel, so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a
-GEMM, bf16 where the CPU has it; see engine/quant.py).
+fastest here, see engine/quant.py), threads, max_active (default 4; on CUDA what the KV pool holds, at most
+256: engine/sizes.py), num_blocks, kv_cache_gb, graphs (on|off), compile (on|off: on CUDA, torch.compile and
+Triton attention inside the graphs), fused (on|off: the CPU's fused float32 kernels), overlap (on|off; default
+on for CUDA, off elsewhere: schedule and launch the next step while the device runs this one), batch_invariant
+(on|off, CPU int8w: every token through the int8 kernel, so a request's greedy tokens do not depend on its
+batch mates; off: prefill-sized batches through a GEMM, bf16 where the CPU has it; see engine/quant.py).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
 the same model with the same tokenizer, reached over HTTP by backends/remote.py. Its keys:
-max_active (the router books at most this many as running there), model (the name the remote serves;
-default: the first of its /v1/models), num_blocks (the size of the router's shadow prefix index, in
+max_active (the router books at most this many as running there; default 4), model (the name the remote
+serves; default: the first of its /v1/models), num_blocks (the size of the router's shadow prefix index, in
 blocks of the remote's block size, else of the engine's BLOCK_SIZE; default: what an mvllm remote reports,
 else 4096), timeout (seconds to wait for the next chunk, default 60), api_key_env (the name of an
 environment variable holding the bearer token; the key itself never appears in a spec, a log or an error).
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from mvllm import machine
 from mvllm.engine.block_manager import BLOCK_SIZE
+from mvllm.engine.sizes import MAX_ACTIVE
 from mvllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class BackendSpec:
     dtype: str | None = None
     quant: str | None = None
     threads: int | None = None
-    max_active: int = 4
+    max_active: int | None = None  # None on a local CUDA backend until its engine sizes its KV pool
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
     graphs: bool = True
@@ -80,6 +81,10 @@ LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "
 
 def is_url(device: str) -> bool:
     return device.startswith(("http://", "https://"))
+
+
+def is_cuda(device: str) -> bool:
+    return device.partition(":")[0] == "cuda"
 
 
 def convert(key: str, value: str, name: str, remote: bool = False):
@@ -123,7 +128,10 @@ def parse_backends(text: str, max_active: int | None = None, check_devices: bool
         for opt in options:
             key, _, value = opt.partition("=")
             settings[key] = convert(key, value, name, is_url(device))
-        specs.append(BackendSpec(name=name, device=device, **settings))
+        spec = BackendSpec(name=name, device=device, **settings)
+        if spec.max_active is None and not is_cuda(device):
+            spec.max_active = MAX_ACTIVE
+        specs.append(spec)
     if not specs:
         raise InvalidRequestError("no backend given; e.g. --backends gpu=cuda,cpu=cpu", "backends")
     seen = set()

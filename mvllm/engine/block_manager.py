@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from mvllm.engine.sequence import Sequence
 
 BLOCK_SIZE = 16  # tokens per KV block: the engine's default, and what the simulator and shadow indexes assume
+# The parent of a chain's first block where another process must get the same hashes (a worker's, for the
+# server's index): hash(None), the default, is an address before Python 3.12, so it differs between processes.
+ROOT = 0
 
 
 class Block:
@@ -29,15 +32,18 @@ def block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE, *, tokens: 
     """The hash chain over the full blocks among the first `tokens` of `token_ids` (default: all of them),
     lazily, so a look-up can stop at its first miss: hash i stands for block i and every block before it.
     `start`, `parent`: go on with a chain whose first `start` blocks are hashed already, the last to `parent`."""
-    end = len(token_ids) if tokens is None else tokens
-    for i in range(start, end // block_size):
-        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+    end = (len(token_ids) if tokens is None else max(tokens, 0)) // block_size * block_size
+    for block in zip(*[iter(token_ids[start * block_size:end])] * block_size):  # the blocks' tuples, made in C
+        parent = hash((parent, block))  # chain_hash, inlined
         yield parent
 
 
 class BlockManager:
     """Blocks are in one of three states: referenced (ref_count > 0), free and clean (no hash), or free
-    and cached (hash kept, evictable, in LRU order: least recently released first)."""
+    and cached (hash kept, evictable, in LRU order: least recently released first).
+
+    With `record_events`, chains start at ROOT and each change to the prefix cache (a hash into hash_to_block,
+    or out of it) is noted for `take_events`: a worker sends them to the server's index (routing/prefix_index.py)."""
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE):
         self.block_size = block_size
@@ -45,6 +51,8 @@ class BlockManager:
         self.clean: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
+        self.root: int | None = None  # the parent of a chain's first block
+        self.events: dict[int, tuple[int, ...] | None] | None = None  # hash -> its tokens, or None: gone
         self.queries = 0
         self.hits = 0
 
@@ -62,7 +70,7 @@ class BlockManager:
     def _match(self, token_ids: list[int]) -> list[int]:
         """Ids of cached blocks holding a prefix of token_ids; the last token is always left to compute."""
         bs, hit = self.block_size, []
-        for i, h in enumerate(block_hashes(token_ids, bs, tokens=len(token_ids) - 1)):
+        for i, h in enumerate(block_hashes(token_ids, bs, tokens=len(token_ids) - 1, parent=self.root)):
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
@@ -102,6 +110,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.events is not None:
+                    self.events[block.hash] = None
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -118,13 +128,15 @@ class BlockManager:
         """Publish the full blocks whose KV has been computed, so later prompts can reuse them."""
         bs, done = self.block_size, len(seq.block_hashes)
         new = block_hashes(seq.token_ids, bs, tokens=seq.num_computed_tokens, start=done,
-                           parent=seq.block_hashes[-1] if done else None)
+                           parent=seq.block_hashes[-1] if done else self.root)
         for i, h in enumerate(new, done):
             seq.block_hashes.append(h)
             if h not in self.hash_to_block:
                 block = self.blocks[seq.block_table[i]]
                 block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 self.hash_to_block[h] = block.id
+                if self.events is not None:
+                    self.events[h] = block.token_ids
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -143,12 +155,30 @@ class BlockManager:
         """Forget every cached block (as vLLM's /reset_prefix_cache); refused while any block is in use."""
         if any(b.ref_count for b in self.blocks):
             return False
+        if self.events is not None:
+            self.events.update(dict.fromkeys(self.hash_to_block))
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
         self.hash_to_block.clear()
         self.cached_free.clear()
         self.clean = deque(range(self.num_blocks))
         return True
+
+    def record_events(self) -> None:
+        """From now on, hash chains from ROOT and note every change to the prefix cache (nothing cached yet)."""
+        assert not self.hash_to_block, "record events from an empty cache"
+        self.root, self.events = ROOT, {}
+
+    def take_events(self) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]] | None:
+        """The changes since the last call, None if there were none: (stored: (hash, tokens) of the blocks
+        cached now, removed: the hashes gone). Only a hash's last change is kept, so a hash is in one list
+        at most and the two can be applied in any order."""
+        if not self.events:
+            return None
+        stored = [(h, t) for h, t in self.events.items() if t is not None]
+        removed = [h for h, t in self.events.items() if t is None]
+        self.events = {}
+        return stored, removed
 
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks

@@ -1,11 +1,12 @@
-"""CUDA graphs for GPU steps: decode batches, warm-prefix prefills and mixed steps of up to 64 new tokens, and
-(compiled) cold prefills of up to 2048.
+"""CUDA graphs for GPU steps: decode batches of up to max_active, warm-prefix prefills and mixed steps of up to 64
+new tokens, and (compiled) cold prefills of up to 2048.
 
 Every new token is one query row that reads its own sequence's blocks, so a step is keyed by its token
-count T, padded up to a bucket. Steps of up to 64 tokens run the LM head and the greedy argmax in their
-graph too, so a greedy decode step is one replay and one copy of the token ids back. Inputs live in one
-static int64 buffer [T, 4 + W] (token, position, slot, context length, block table padded to W blocks),
-filled by one host-to-device copy per step. Padding rows write their K/V to a scratch slot and attend to
+count T, padded up to a bucket (token_buckets: a ladder, so a large max_active adds a few graphs, not one per
+size). Steps of up to max(64, max_active) tokens run the LM head and the greedy argmax in their graph too, so
+a greedy decode step is one replay and one copy of the token ids back. Inputs live in one static int64
+buffer [T, 4 + W] (token, position, slot, context length, block table padded to W blocks), filled by one
+host-to-device copy per step. Padding rows write their K/V to a scratch slot and attend to
 slot 0 only; their outputs are ignored.
 
 Two ways to run a step:
@@ -31,8 +32,8 @@ from mvllm.kernels.triton_ops import argmax, fold_norms
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
 
-TOKEN_BUCKETS = (8, 16, 32, 64)
-HEAD_ROWS = TOKEN_BUCKETS[-1]  # steps up to this many tokens run the LM head (and argmax) in their graph
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+HEAD_ROWS = 64  # steps up to this many tokens (or max_active, if more) run the LM head (and argmax) in their graph
 PREFILL_BUCKETS = (128, 256, 384, 512, 640, 768, 1024, 1536, 2048)  # compiled only
 CONTEXT_BUCKETS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)  # plain: every row gathers its bucket's width
 
@@ -44,6 +45,12 @@ def use_compile_cache() -> None:
     root = cache_dir()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+
+
+def token_buckets(max_active: int, first: int = 1) -> list[int]:
+    """TOKEN_BUCKETS from `first` up to max(HEAD_ROWS, max_active), and max_active itself."""
+    top = max(HEAD_ROWS, max_active)
+    return sorted({t for t in TOKEN_BUCKETS if first <= t <= top} | {max(max_active, first)})
 
 
 def fill_span(buf: np.ndarray, row: int, seq: Sequence, a: int, b: int, width: int, block_size: int) -> None:
@@ -63,8 +70,8 @@ class GraphRunner:
         self.model, self.caches, self.block_size, self.scratch = model, caches, block_size, scratch_slot
         self.compiled = compiled
         first = 2 if compiled else 1  # compiled: one dynamic token count (sizes of 1 would specialize)
-        self.token_buckets = sorted(set(range(first, max_active + 1)) | set(TOKEN_BUCKETS)
-                                    | set(PREFILL_BUCKETS if compiled else ()))
+        self.token_buckets = sorted(set(token_buckets(max_active, first)) | set(PREFILL_BUCKETS if compiled else ()))
+        self.head_rows = max(HEAD_ROWS, max_active)
         if compiled:
             self.context_buckets = [max_model_len]
         else:
@@ -79,9 +86,9 @@ class GraphRunner:
             self.inputs = {t: torch.zeros(t, 4 + self.width, dtype=torch.long, device=device)
                            for t in self.token_buckets}
             self.hidden = torch.zeros(t_max, model.cfg.hidden_size, dtype=caches[0].dtype, device=device)
-            # steps of up to HEAD_ROWS tokens also run the LM head and the argmax inside their graph
-            self.logits = torch.zeros(HEAD_ROWS, model.cfg.vocab_size, dtype=caches[0].dtype, device=device)
-            self.tokens = torch.zeros(HEAD_ROWS, dtype=torch.long, device=device)
+            # steps of up to head_rows tokens also run the LM head and the argmax inside their graph
+            self.logits = torch.zeros(self.head_rows, model.cfg.vocab_size, dtype=caches[0].dtype, device=device)
+            self.tokens = torch.zeros(self.head_rows, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.steps = self.replays = 0
         self.step = None
@@ -98,7 +105,7 @@ class GraphRunner:
 
     def _forward(self, t: int, lk: int) -> None:
         self._body(t, lk)
-        if t <= HEAD_ROWS:
+        if t <= self.head_rows:
             head, logits = self.model.lm_head, self.logits[:t]
             if type(head) is torch.nn.Linear and head.bias is None:  # straight into the buffer: no copy
                 torch.mm(self.hidden[:t], head.weight.t(), out=logits)
@@ -168,7 +175,7 @@ class GraphRunner:
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],
             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the graph for `key` (or run the compiled step without one); returns the hidden states
-        [T, hidden] of the real tokens. Steps of up to HEAD_ROWS tokens also leave every row's logits (in the
+        [T, hidden] of the real tokens. Steps of up to head_rows tokens also leave every row's logits (in the
         model's dtype) in self.logits and their argmax in self.tokens."""
         t_pad, _ = key
         rows = sum(b - a for a, b in spans)

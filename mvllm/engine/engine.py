@@ -16,11 +16,11 @@ from mvllm.engine.params import SamplingParams
 from mvllm.engine.quant import BATCH_INVARIANT, cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import PENDING, Sequence, Status
+from mvllm.engine.sizes import DEFAULT_KV_GB, MAX_ACTIVE, MOST_ACTIVE, default_max_active, pool_blocks
 from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
 from mvllm.model.loader import ModelSource, build_model, resolve
 
 DEFAULT_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "mps": torch.float16}
-DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 4.0, "mps": 1.0}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -29,7 +29,7 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str | None = None
-    max_active: int = 4
+    max_active: int | None = None  # None: engine/sizes.py's default for the device, resolved by Engine
     block_size: int = BLOCK_SIZE
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
@@ -44,7 +44,7 @@ class EngineConfig:
     picked: str = ""  # how the CPU mode was chosen
 
     def validate(self) -> None:
-        if self.max_active < 1:
+        if self.max_active is not None and self.max_active < 1:
             raise InvalidRequestError(f"max_active must be at least 1, got {self.max_active}", "max_active")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError(f"threads must be at least 1, got {self.threads}", "threads")
@@ -111,6 +111,27 @@ def check_budget(prompt_tokens: int, max_tokens: int, max_model_len: int) -> Non
                                  "completion.", "max_tokens")
 
 
+def context_len(config: EngineConfig, model_cfg, num_blocks: int) -> int:
+    return min(config.max_model_len or model_cfg.max_position, model_cfg.max_position, num_blocks * config.block_size)
+
+
+def served_pool(config: EngineConfig, model_cfg) -> tuple[int, int, str]:
+    """(num_blocks, max_active, why that max_active) of a validated config: its KV pool (engine/sizes.py), and
+    its own max_active, else the device's default for that pool. Counted, nothing allocated."""
+    device_type = torch.device(config.device).type
+    dtype = getattr(torch, config.dtype) if config.dtype else DEFAULT_DTYPES[device_type]
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        most = config.max_active or (MOST_ACTIVE if device_type == "cuda" else MAX_ACTIVE)
+        num_blocks = pool_blocks(config.kv_cache_gb or DEFAULT_KV_GB[device_type],
+                                 ModelRunner.kv_bytes_per_token(model_cfg, dtype) * config.block_size,
+                                 -(-model_cfg.max_position // config.block_size), most)
+    if config.max_active is not None:
+        return num_blocks, config.max_active, "set"
+    return num_blocks, *default_max_active(device_type, num_blocks, config.block_size,
+                                           context_len(config, model_cfg, num_blocks))
+
+
 @dataclass(slots=True)
 class StepOutput:
     """A token of a request, or (`error` set) the end of a request whose step failed: its forward, its
@@ -139,10 +160,9 @@ class Engine:
                               config.batch_invariant)
         if self.device.type == "cpu":
             machine.keep_freed_memory()  # a step's activations reuse freed pages: no page faults each op
-        num_blocks = config.num_blocks or self._blocks_for_budget()
+        num_blocks, config.max_active, self.max_active_why = served_pool(config, cfg)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
-                                 num_blocks * config.block_size)
+        self.max_model_len = context_len(config, cfg, num_blocks)
         self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
                                   config.graphs, config.max_active, self.max_model_len, config.fused,
@@ -150,13 +170,6 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.inflight: Launched | None = None  # overlap: the step launched last, its ids not yet read
         self.on_schedule: Callable[[Batch], None] | None = None
-
-    def _blocks_for_budget(self) -> int:
-        gb = self.config.kv_cache_gb or DEFAULT_KV_GB[self.device.type]
-        per_block = ModelRunner.kv_bytes_per_token(self.source.config, self.dtype) * self.config.block_size
-        by_budget = int(gb * 2**30 // per_block)
-        enough = self.config.max_active * -(-self.source.config.max_position // self.config.block_size) * 2
-        return max(min(by_budget, enough), 1)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         check_prompt(token_ids, self.source.config.vocab_size, self.max_model_len)

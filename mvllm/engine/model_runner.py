@@ -1,12 +1,12 @@
 """Runs the decoder over a scheduled batch: gathers inputs, owns the KV cache, samples.
 
 On CUDA, steps of few new tokens (decode, warm-prefix prefill, mixed) replay CUDA graphs, with the LM head
-and greedy argmax inside for steps of up to 64 tokens; with Triton (`compile`, the default) every step runs
-torch.compile'd code whose attention reads the paged cache through the block table, graphs or not
-(engine/cuda_graphs.py). Without it larger steps, and every step on CPU and
-MPS, run eagerly. On x86 CPUs the float32 and bfloat16 Linear layers run
-through oneDNN with pre-packed weights (`quant.pack`); in float32 (and int8w) the rest of each layer runs
-through mvllm's fused CPU kernels where they build (`model/fused.py`; `fused=False` turns them off)."""
+and greedy argmax inside for steps of up to 64 tokens (max_active, if more); with Triton (`compile`, the
+default) every step runs torch.compile'd code whose attention reads the paged cache through the block table,
+graphs or not (engine/cuda_graphs.py). Without it larger steps, and every step on CPU and MPS, run eagerly.
+On x86 CPUs the float32 and bfloat16 Linear layers run through oneDNN with pre-packed weights (`quant.pack`);
+in float32 (and int8w) the rest of each layer runs through mvllm's fused CPU kernels where they build
+(`model/fused.py`; `fused=False` turns them off)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mvllm.engine.cuda_graphs import HEAD_ROWS, GraphRunner
+from mvllm.engine.cuda_graphs import GraphRunner
 from mvllm.engine.quant import pack, packable
 from mvllm.engine.sampler import sample_rows
 from mvllm.engine.scheduler import Batch
@@ -112,7 +112,7 @@ class ModelRunner:
     def logits(self, seqs, spans: list[tuple[int, int]], rows: torch.Tensor | None = None,
                fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [T, vocab] of the new tokens (only those at `rows`, if given) by the path a served step
-        takes: a CUDA graph (or the compiled step) where one fits, else eagerly. Steps of up to HEAD_ROWS
+        takes: a CUDA graph (or the compiled step) where one fits, else eagerly. Steps of up to head_rows
         tokens ran the LM head and the argmax in their graph: their logits are in the model's dtype, with the
         argmax; elsewhere the LM head runs here, on those rows only (a prefill's other tokens need none), in
         float32, with an argmax only on the fused CPU path (cpu_fused.argmax). `fill`: (rows, ids) on the
@@ -123,7 +123,7 @@ class ModelRunner:
             rows = None if self.fused else rows  # the fused path returned those rows only
         else:
             hidden = self.graphs.run(seqs, spans, key, fill)
-            if key[0] <= HEAD_ROWS:
+            if key[0] <= self.graphs.head_rows:
                 g, n = self.graphs, len(hidden)
                 return (g.logits[:n], g.tokens[:n]) if rows is None else (g.logits[rows], g.tokens[rows])
         logits = self.model.logits(hidden if rows is None else hidden[rows])

@@ -8,14 +8,17 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mvllm.errors import ModelNotFoundError, UnsupportedModelError
 from mvllm.machine import cache_dir
 from mvllm.model.config import ModelConfig
-from mvllm.model.decoder import Decoder
 from mvllm.model.presets import DEFAULT_MODEL, PRESETS
+
+if TYPE_CHECKING:  # torch is imported where weights are read: the API process resolves models without it
+    import torch
+
+    from mvllm.model.decoder import Decoder
 
 SYNTHETIC_SEED = 1234
 
@@ -97,6 +100,7 @@ def gguf_to_dir(gguf: Path) -> Path:
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -126,6 +130,10 @@ def gguf_to_dir(gguf: Path) -> Path:
 
 def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> Decoder:
     """Build the decoder on `device` in `dtype` with the source's weights."""
+    import torch
+
+    from mvllm.model.decoder import Decoder
+
     with torch.device("meta"):
         model = Decoder(source.config)
     model = model.to_empty(device="cpu").float()
@@ -145,6 +153,8 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -
 
 
 def _init_synthetic(model: Decoder) -> None:
+    import torch
+
     gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -10,6 +10,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,16 +19,18 @@ import torch
 from mvllm import machine
 from mvllm.backends.spec import BackendSpec, share_cores
 from mvllm.engine.block_manager import BLOCK_SIZE
-from mvllm.engine.engine import Engine
+from mvllm.engine.cuda_graphs import token_buckets
+from mvllm.engine.engine import Engine, served_pool
 from mvllm.engine.params import SamplingParams
 from mvllm.env import backend_facts, cpu_name, git_commit
 from mvllm.kernels import cpu_int8
-from mvllm.model.loader import resolve
+from mvllm.model.loader import ModelSource, resolve
 from mvllm.profile.accuracy import SYNTHETIC_NOTE, Reference
 from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, LENGTHS, WARM_CACHED, WARM_NEW, Progress, Tokens
 from mvllm.routing.rates import REFERENCE_LEN, choose_rates, validate
 
 CONTEXT_BATCH = 4  # --contexts measures batch 1 and this (llama-batched-bench's -npl 1,4)
+DENSE = 64  # decode is measured at every batch size up to this, past it at CUDA's graph buckets and max_active
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -63,17 +66,32 @@ def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int, cont
 def served_blocks(engine: Engine, spec: BackendSpec) -> int:
     """The KV blocks the backend has when served (the simulator's prefix cache): its spec's num_blocks, else what
     the engine's budget gives for its config; counted, not allocated (the profile runs with a smaller pool)."""
-    return spec.num_blocks or engine._blocks_for_budget()
+    return served_pool(replace(engine.config, num_blocks=spec.num_blocks), engine.source.config)[0]
+
+
+def served_max_active(spec: BackendSpec, source: ModelSource, block_size: int) -> int:
+    """The spec's max_active, else the one its engine picks for the pool it is served with (not the profile's)."""
+    if spec.max_active is not None:
+        return spec.max_active
+    config = spec.engine_config(source.spec, block_size)
+    config.validate()
+    return served_pool(config, source.config)[1]
+
+
+def decode_batches(max_active: int) -> list[int]:
+    return sorted(set(range(1, min(max_active, DENSE) + 1)) | {b for b in token_buckets(max_active) if b <= max_active})
 
 
 def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], repeats: int, steps: int,
                     progress: Progress, block_size: int = BLOCK_SIZE, reference: Reference | None = None,
                     contexts: tuple[int, ...] = ()) -> dict:
+    source = resolve(model)
+    spec.max_active = served_max_active(spec, source, block_size)
     config = spec.engine_config(model, block_size)
     config.num_blocks = kv_blocks(spec, lengths, block_size, contexts)
     progress(f"{spec.name}: loading {model} on {spec.device}")
     start = time.perf_counter()
-    engine = Engine(config)
+    engine = Engine(config, source)
     ready_s = time.perf_counter() - start
     progress(f"{spec.name}: ready in {ready_s:.1f} s")
     tokens = Tokens(engine.source.config.vocab_size)
@@ -112,7 +130,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
                            "tok_s": WARM_NEW / ms * 1000})
     prefix = tokens(DECODE_PREFIX)
     engine.warm(prefix)
-    for b in range(1, spec.max_active + 1):
+    for b in decode_batches(spec.max_active):
         progress(f"{spec.name}: decode, batch {b}")
         seqs, times = decode_steps(engine, [prefix + tokens(DECODE_NEW) for _ in range(b)], _greedy(steps + 2))
         ms = _median_ms(times)
@@ -224,9 +242,10 @@ def run_profile(model: str, specs: list[BackendSpec], lengths: tuple[int, ...] =
                                                             steps, progress)
             continue
         torch.set_num_threads(spec.threads or default_threads)
+        facts = backend_facts(spec, model, source.config)  # before measure_backend resolves spec.max_active
         entry = measure_backend(model, spec, lengths, repeats, steps, progress, reference=reference,
                                 contexts=contexts)
-        entry["env"] = backend_facts(spec)
+        entry["env"] = facts
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

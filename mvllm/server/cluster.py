@@ -11,13 +11,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from mvllm.backends.base import Backend, spawn
-from mvllm.backends.events import Aborted, BackendEvent, Dead, Done, Error, Load, Lost, Scheduled, Step, Up
+from mvllm.backends.events import (
+    Aborted,
+    BackendEvent,
+    Dead,
+    Done,
+    Error,
+    KvEvents,
+    Load,
+    Lost,
+    Scheduled,
+    Step,
+    Up,
+)
 from mvllm.backends.process import ProcessBackend
 from mvllm.backends.remote import RemoteBackend
 from mvllm.backends.spec import BackendSpec
-from mvllm.engine.block_manager import block_hashes
+from mvllm.engine.block_manager import ROOT, block_hashes
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
+from mvllm.routing.prefix_index import PrefixIndex
 from mvllm.routing.router import Router
 from mvllm.server.metrics import Metrics
 
@@ -51,6 +64,7 @@ class Cluster:
         self.model, self.router, self.restart, self.ready_timeout = model, router, restart, ready_timeout
         self.backends: dict[str, Backend] = {s.name: make_backend(s, model) for s in specs}
         router.estimated = {s.name for s in specs if s.remote}  # their cached prefixes are shadow estimates
+        self.index = PrefixIndex()  # the workers' cached blocks, from their KV events
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, str] = {}
         self.unstarted: dict[str, tuple[list[int], SamplingParams, float]] = {}  # no token sent yet
@@ -104,7 +118,9 @@ class Cluster:
                     self.router.on_scheduled(name, rid, cached)
                     self._put(rid, Event(cached_tokens=cached))
                 self.metrics.stale_cache.labels(name).set(self.router.stale[name])
-            case Step(tokens, load):
+            case Step(tokens, load, kv):
+                if kv:
+                    self.index.apply(name, *kv)
                 if load.get("preemptions", 0) > self.snapshots[name].get("preemptions", 0):
                     self.router.on_preempted(name)
                 self.snapshots[name].update(load)
@@ -117,6 +133,8 @@ class Cluster:
                     if reason:
                         self.router.on_finished(name, rid, reason)
                     self._put(rid, Event(token=token, finish_reason=reason))
+            case KvEvents(stored, removed):  # a worker's cache changed outside a step: before the call's reply
+                self.index.apply(name, stored, removed)
             case Error(rid, message):
                 self._ended(name, rid, Event(error=message))
             case Aborted(rid, generated, at):
@@ -149,6 +167,7 @@ class Cluster:
     def _dead(self, name: str) -> None:
         """A backend is gone: what had not started goes elsewhere, the rest ends; a worker is restarted."""
         self.backends[name].mark_dead()
+        self.index.drop(name)
         self.metrics.backend_up.labels(name).set(0)
         for rid in self.router.on_dead(name):
             if rid in self.unstarted and rid in self.streams and not self.draining:
@@ -181,8 +200,9 @@ class Cluster:
             return
         token_ids, params, arrival = self.unstarted[rid]
         try:
-            cached = await self.cached_prefix(token_ids)
-            name = self.route(rid, token_ids, params, cached, exclude)
+            blocks = list(block_hashes(token_ids, parent=ROOT)) if self.router.policy.needs_blocks else None
+            cached = await self.cached_prefix(token_ids, blocks)
+            name = self.route(rid, token_ids, params, cached, exclude, blocks)
             self.backends[name].submit(rid, token_ids, params, arrival)
         except MvllmError as e:
             self.unstarted.pop(rid, None)
@@ -215,6 +235,7 @@ class Cluster:
             return
         self.backends[name] = backend
         self.snapshots[name] = backend.info
+        self.index.drop(name)  # the new worker's cache starts empty: its events fill the index from here
         backend.listen(self.loop, self._on_event)
         try:
             for ids in self.warmed:
@@ -233,17 +254,27 @@ class Cluster:
         if stream is not None:
             stream.put_nowait(event)
 
-    async def cached_prefix(self, token_ids: list[int]) -> dict[str, int]:
+    async def cached_prefix(self, token_ids: list[int], hashes: list[int] | None = None) -> dict[str, int]:
+        """Each live backend's cached prefix of this prompt: a worker's from the index of its KV events, with no
+        call; a remote's by a call (its shadow index answers at once). `hashes`: the blocks' chain from ROOT."""
+        local = self.index.cached_prefix_len(token_ids, hashes)
         alive = [b for b in self.backends.values() if b.alive]
-        found = await asyncio.gather(*(b.call("cached_prefix_len", token_ids, timeout=30) for b in alive),
-                                     return_exceptions=True)
-        return {b.name: v for b, v in zip(alive, found) if isinstance(v, int)}
+        remote = [b for b in alive if b.spec.remote]
+        asked = await asyncio.gather(*(b.call("cached_prefix_len", token_ids, timeout=30) for b in remote),
+                                     return_exceptions=True) if remote else []
+        found = {b.name: v for b, v in zip(remote, asked) if isinstance(v, int)}
+        for b in alive:
+            if not b.spec.remote:
+                found[b.name] = local.get(b.name, 0)
+        return {b.name: found[b.name] for b in alive if b.name in found}
 
     def route(self, rid: str, token_ids: list[int], params: SamplingParams, cached: dict[str, int],
-              exclude: tuple[str, ...] = ()) -> str:
-        """The router's decision, timed into /metrics (mvllm_routing_decision_seconds)."""
+              exclude: tuple[str, ...] = (), blocks: list[int] | None = None) -> str:
+        """The router's decision, timed into /metrics (mvllm_routing_decision_seconds). `blocks`: the prompt's
+        block hashes, chained from ROOT as the workers' are, where the caller has them (hashed once for both)."""
         start = time.perf_counter()
-        blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
+        if blocks is None and self.router.policy.needs_blocks:
+            blocks = list(block_hashes(token_ids, parent=ROOT))
         name = self.router.route(rid, len(token_ids), params.max_tokens, cached, exclude, blocks, params.stop_at)
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return name
@@ -254,8 +285,9 @@ class Cluster:
         if self.draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         rid, arrival = f"{prefix}-{uuid.uuid4().hex[:16]}", arrival or time.time()
-        cached = await self.cached_prefix(token_ids)
-        name = self.route(rid, token_ids, params, cached)
+        blocks = list(block_hashes(token_ids, parent=ROOT)) if self.router.policy.needs_blocks else None
+        cached = await self.cached_prefix(token_ids, blocks)
+        name = self.route(rid, token_ids, params, cached, blocks=blocks)
         self.streams[rid] = asyncio.Queue()
         self.owner[rid] = name
         self.unstarted[rid] = (token_ids, params, arrival)

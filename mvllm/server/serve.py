@@ -25,7 +25,7 @@ def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict]
     """Each backend's profiled rates, as it will serve (routing/rates.py)."""
     if not profile:
         return None
-    return rates_as_served(load_profile(profile), {s.name: s.max_active for s in specs})
+    return rates_as_served(load_profile(profile), {s.name: s.max_active for s in specs if s.max_active is not None})
 
 
 def read_prefix(path: str | None) -> str | list[int] | None:

@@ -1,0 +1,32 @@
+"""A backend's sizes where the user sets none: its KV pool, then how many requests it runs at once (max_active).
+
+The pool is num_blocks, else kv_cache_gb (DEFAULT_KV_GB) of KV, at most twice what max_active sequences of the
+model's full length need. On CUDA an unset max_active is what that pool holds, as vLLM's max_num_seqs (256)
+is a default a GPU fills; the CPU and MPS run MAX_ACTIVE."""
+
+from __future__ import annotations
+
+MAX_ACTIVE = 4  # CPU and MPS
+MOST_ACTIVE = 256  # CUDA's cap, vLLM's default max_num_seqs
+SEQ_TOKENS = 1024  # a typical request's KV: the reference's 516-token prompt and a few hundred tokens out
+DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 4.0, "mps": 1.0}
+
+
+def pool_blocks(kv_gb: float, block_bytes: int, seq_blocks: int, max_active: int) -> int:
+    """The blocks of a kv_gb budget, at most twice what max_active sequences of seq_blocks blocks need."""
+    return max(min(int(kv_gb * 2**30 // block_bytes), max_active * seq_blocks * 2), 1)
+
+
+def default_max_active(device_type: str, num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, str]:
+    """(max_active, why) where none is set. CUDA: num_blocks // blocks of min(SEQ_TOKENS, max_model_len) tokens,
+    from 1 to MOST_ACTIVE."""
+    if device_type != "cuda":
+        return MAX_ACTIVE, "measured default" if device_type == "cpu" else "the CPU's default"
+    seq = min(SEQ_TOKENS, max_model_len)
+    held = num_blocks // -(-seq // block_size)
+    why = f"KV holds {held:,} sequence{'' if held == 1 else 's'} of {seq:,} tokens"
+    if held > MOST_ACTIVE:
+        why += f"; capped at {MOST_ACTIVE}"
+    elif held < 1:
+        why += "; at least 1"
+    return max(1, min(held, MOST_ACTIVE)), why
