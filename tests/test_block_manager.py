@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from mvllm.engine.block_manager import BLOCK_SIZE, BlockManager, block_hashes, chain_hash
+from mvllm.engine.block_manager import BLOCK_SIZE, ROOT, BlockManager, block_hashes, chain_hash
 from mvllm.engine.engine import Engine, EngineConfig
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
@@ -21,7 +21,7 @@ def snapshot(bm: BlockManager):
 
 
 def chain(token_ids: list[int], bs: int) -> list[int]:
-    hashes, parent = [], None
+    hashes, parent = [], ROOT
     for i in range(len(token_ids) // bs):
         parent = chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
         hashes.append(parent)

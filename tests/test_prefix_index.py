@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mvllm.backends.spec import parse_backends
-from mvllm.engine.block_manager import ROOT, BlockManager, block_hashes
+from mvllm.engine.block_manager import BlockManager, block_hashes
 from mvllm.engine.params import SamplingParams
 from mvllm.engine.sequence import Sequence
 from mvllm.routing.prefix_index import PrefixIndex
@@ -24,7 +24,7 @@ BS = 4
 
 def agree(index: PrefixIndex, workers: dict[str, BlockManager], probes: list[list[int]]) -> None:
     for p in probes:
-        for hashes in (None, list(block_hashes(p, index.block_size, parent=ROOT))):
+        for hashes in (None, list(block_hashes(p, index.block_size))):
             found = index.cached_prefix_len(p, hashes)
             assert {w: found.get(w, 0) for w in workers} == {w: bm.cached_prefix_len(p) for w, bm in workers.items()}
 
@@ -124,7 +124,7 @@ def colliding(tokens: tuple[int, ...], first: int) -> tuple[int, ...]:
 def test_a_hash_collision_is_answered_as_the_block_manager_does():
     first = (1, 2, 3, 4)
     other = colliding(first, 7)
-    assert list(block_hashes(list(first) + [0], BS, parent=ROOT)) == list(block_hashes(list(other) + [0], BS, parent=ROOT))
+    assert list(block_hashes(list(first) + [0], BS)) == list(block_hashes(list(other) + [0], BS))
     a, b = BlockManager(num_blocks=8, block_size=BS), BlockManager(num_blocks=8, block_size=BS)
     workers = {"a": a, "b": b}
     index = PrefixIndex(BS)
@@ -170,7 +170,7 @@ def test_index_in_the_server_equals_each_worker_through_restart_reset_and_evicti
 
     async def check() -> None:
         for p in probes:
-            for hashes in (None, list(block_hashes(p, parent=ROOT))):
+            for hashes in (None, list(block_hashes(p))):
                 found = await cluster.cached_prefix(p, hashes)
                 truth = {n: await b.call("cached_prefix_len", p, timeout=30) for n, b in cluster.backends.items()}
                 assert found == truth

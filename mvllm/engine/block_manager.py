@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from mvllm.engine.sequence import Sequence
 
 BLOCK_SIZE = 16  # tokens per KV block: the engine's default, and what the simulator and shadow indexes assume
-# The parent of a chain's first block where another process must get the same hashes (a worker's, for the
-# server's index): hash(None), the default, is an address before Python 3.12, so it differs between processes.
+# The parent of every chain's first block: a constant, so a worker and the server hash a prompt alike
+# (hash(None) is an address before Python 3.12, different in each process).
 ROOT = 0
 
 
@@ -28,7 +28,7 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 def block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE, *, tokens: int | None = None,
-                 start: int = 0, parent: int | None = None) -> Iterator[int]:
+                 start: int = 0, parent: int = ROOT) -> Iterator[int]:
     """The hash chain over the full blocks among the first `tokens` of `token_ids` (default: all of them),
     lazily, so a look-up can stop at its first miss: hash i stands for block i and every block before it.
     `start`, `parent`: go on with a chain whose first `start` blocks are hashed already, the last to `parent`."""
@@ -42,8 +42,8 @@ class BlockManager:
     """Blocks are in one of three states: referenced (ref_count > 0), free and clean (no hash), or free
     and cached (hash kept, evictable, in LRU order: least recently released first).
 
-    With `record_events`, chains start at ROOT and each change to the prefix cache (a hash into hash_to_block,
-    or out of it) is noted for `take_events`: a worker sends them to the server's index (routing/prefix_index.py)."""
+    With `record_events`, each change to the prefix cache (a hash into hash_to_block, or out of it) is noted
+    for `take_events`: a worker sends them to the server's index (routing/prefix_index.py)."""
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE):
         self.block_size = block_size
@@ -51,7 +51,6 @@ class BlockManager:
         self.clean: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
-        self.root: int | None = None  # the parent of a chain's first block
         self.events: dict[int, tuple[int, ...] | None] | None = None  # hash -> its tokens, or None: gone
         self.queries = 0
         self.hits = 0
@@ -70,7 +69,7 @@ class BlockManager:
     def _match(self, token_ids: list[int]) -> list[int]:
         """Ids of cached blocks holding a prefix of token_ids; the last token is always left to compute."""
         bs, hit = self.block_size, []
-        for i, h in enumerate(block_hashes(token_ids, bs, tokens=len(token_ids) - 1, parent=self.root)):
+        for i, h in enumerate(block_hashes(token_ids, bs, tokens=len(token_ids) - 1)):
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
@@ -128,7 +127,7 @@ class BlockManager:
         """Publish the full blocks whose KV has been computed, so later prompts can reuse them."""
         bs, done = self.block_size, len(seq.block_hashes)
         new = block_hashes(seq.token_ids, bs, tokens=seq.num_computed_tokens, start=done,
-                           parent=seq.block_hashes[-1] if done else self.root)
+                           parent=seq.block_hashes[-1] if done else ROOT)
         for i, h in enumerate(new, done):
             seq.block_hashes.append(h)
             if h not in self.hash_to_block:
@@ -165,9 +164,9 @@ class BlockManager:
         return True
 
     def record_events(self) -> None:
-        """From now on, hash chains from ROOT and note every change to the prefix cache (nothing cached yet)."""
+        """From now on, note every change to the prefix cache (nothing cached yet)."""
         assert not self.hash_to_block, "record events from an empty cache"
-        self.root, self.events = ROOT, {}
+        self.events = {}
 
     def take_events(self) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]] | None:
         """The changes since the last call, None if there were none: (stored: (hash, tokens) of the blocks

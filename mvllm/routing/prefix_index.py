@@ -2,7 +2,7 @@
 (as vLLM's KV events feed Dynamo's KV router), so that a routing decision asks no worker anything.
 
 It answers what each worker's `BlockManager.cached_prefix_len` would, exactly, as of the last events applied:
-a block is found by its hash (the workers' chains start at ROOT, as the look-up's do) and then its tokens are
+a block is found by its hash (block_hashes, as the workers') and then its tokens are
 compared, as `_match` does against hash collisions.
 
 One index serves every worker so that a look-up hashes and compares the prompt's blocks once, not once per
@@ -21,8 +21,8 @@ Tokens = tuple[int, ...]
 
 
 class PrefixIndex:
-    def __init__(self, block_size: int = BLOCK_SIZE, root: int = ROOT):
-        self.block_size, self.root = block_size, root
+    def __init__(self, block_size: int = BLOCK_SIZE):
+        self.block_size = block_size
         self.held: dict[str, dict[int, Tokens]] = {}  # worker -> its cached blocks: hash -> tokens
         self.tokens: dict[int, Tokens] = {}  # hash -> the tokens of its first holder
         self.holders: dict[int, int] = {}  # hash -> how many workers hold it
@@ -71,7 +71,7 @@ class PrefixIndex:
 
     def cached_prefix_len(self, token_ids: list[int], hashes: list[int] | None = None) -> dict[str, int]:
         """Tokens of this prompt each worker's cache would serve now (a worker with no event yet: absent).
-        `hashes`: block_hashes(token_ids, parent=ROOT) where the caller has them; else only the blocks needed
+        `hashes`: block_hashes(token_ids) where the caller has them; else only the blocks needed
         are hashed."""
         if self.clashes:
             return {w: self._exact(held, token_ids) for w, held in self.held.items()}
@@ -93,7 +93,7 @@ class PrefixIndex:
                     break
                 append(h)
             return out
-        h = self.root
+        h = ROOT
         for block in blocks:
             h = hash((h, block))  # block_manager.chain_hash, inlined
             if get(h) != block:
@@ -104,7 +104,7 @@ class PrefixIndex:
     def _exact(self, held: dict[int, Tokens], token_ids: list[int]) -> int:
         """One worker's answer, block by block against its own tokens: BlockManager._match."""
         bs, n = self.block_size, 0
-        for h in block_hashes(token_ids, bs, tokens=len(token_ids) - 1, parent=self.root):
+        for h in block_hashes(token_ids, bs, tokens=len(token_ids) - 1):
             if held.get(h) != tuple(token_ids[n * bs:(n + 1) * bs]):
                 break
             n += 1

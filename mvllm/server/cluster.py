@@ -27,7 +27,7 @@ from mvllm.backends.events import (
 from mvllm.backends.process import ProcessBackend
 from mvllm.backends.remote import RemoteBackend
 from mvllm.backends.spec import BackendSpec
-from mvllm.engine.block_manager import ROOT, block_hashes
+from mvllm.engine.block_manager import block_hashes
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 from mvllm.routing.prefix_index import PrefixIndex
@@ -200,7 +200,7 @@ class Cluster:
             return
         token_ids, params, arrival = self.unstarted[rid]
         try:
-            blocks = list(block_hashes(token_ids, parent=ROOT)) if self.router.policy.needs_blocks else None
+            blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
             cached = await self.cached_prefix(token_ids, blocks)
             name = self.route(rid, token_ids, params, cached, exclude, blocks)
             self.backends[name].submit(rid, token_ids, params, arrival)
@@ -256,7 +256,7 @@ class Cluster:
 
     async def cached_prefix(self, token_ids: list[int], hashes: list[int] | None = None) -> dict[str, int]:
         """Each live backend's cached prefix of this prompt: a worker's from the index of its KV events, with no
-        call; a remote's by a call (its shadow index answers at once). `hashes`: the blocks' chain from ROOT."""
+        call; a remote's by a call (its shadow index answers at once). `hashes`: the prompt's block_hashes."""
         local = self.index.cached_prefix_len(token_ids, hashes)
         alive = [b for b in self.backends.values() if b.alive]
         remote = [b for b in alive if b.spec.remote]
@@ -271,10 +271,10 @@ class Cluster:
     def route(self, rid: str, token_ids: list[int], params: SamplingParams, cached: dict[str, int],
               exclude: tuple[str, ...] = (), blocks: list[int] | None = None) -> str:
         """The router's decision, timed into /metrics (mvllm_routing_decision_seconds). `blocks`: the prompt's
-        block hashes, chained from ROOT as the workers' are, where the caller has them (hashed once for both)."""
+        block hashes where the caller has them (hashed once for the look-up and the policy)."""
         start = time.perf_counter()
         if blocks is None and self.router.policy.needs_blocks:
-            blocks = list(block_hashes(token_ids, parent=ROOT))
+            blocks = list(block_hashes(token_ids))
         name = self.router.route(rid, len(token_ids), params.max_tokens, cached, exclude, blocks, params.stop_at)
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return name
@@ -285,7 +285,7 @@ class Cluster:
         if self.draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         rid, arrival = f"{prefix}-{uuid.uuid4().hex[:16]}", arrival or time.time()
-        blocks = list(block_hashes(token_ids, parent=ROOT)) if self.router.policy.needs_blocks else None
+        blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
         cached = await self.cached_prefix(token_ids, blocks)
         name = self.route(rid, token_ids, params, cached, blocks=blocks)
         self.streams[rid] = asyncio.Queue()

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import islice
 
-from mvllm.engine.block_manager import BLOCK_SIZE
+from mvllm.engine.block_manager import BLOCK_SIZE, ROOT
 
 
-def chain(tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
+def chain(tokens: list[int], start: int = 0, parent: int = ROOT) -> list[int]:
     """block_manager.block_hashes over the full blocks of `tokens` from block `start` on (the chain's hash
     before it: `parent`), as a list; the same values, without a generator's and a call's cost per block."""
     out, h, bs, t = [], parent, BLOCK_SIZE, tuple(tokens)
@@ -29,7 +29,7 @@ def chain(tokens: list[int], start: int = 0, parent: int | None = None) -> list[
 def stand_ins(hashes: list[int], key: object, end: int) -> list[int]:
     """The chain `hashes` goes on to `end` blocks with hashes of blocks that no prompt holds (`key`: the
     request's): a reply whose tokens nobody sends back needs only to take room in the cache."""
-    out, h = [], hashes[-1] if hashes else None
+    out, h = [], hashes[-1] if hashes else ROOT
     for i in range(len(hashes), end):
         h = hash((h, ("reply", key, i)))
         out.append(h)
