@@ -149,12 +149,11 @@ def serve(
                                                       "route to it again."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
-    from mvllm.backends.spec import default_backends
     from mvllm.server.serve import serve as run
 
     if shutdown_timeout < 0:
         raise MvllmError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout:g}")
-    run(model, backends or default_backends(), policy, profile, max_active, host, port, routing_log, warm_prefix,
+    run(model, backends, policy, profile, max_active, host, port, routing_log, warm_prefix,
         ready_timeout, shutdown_timeout, restart_backends)
 
 

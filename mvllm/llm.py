@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mvllm.engine.engine import Engine, EngineConfig, check_budget
-from mvllm.engine.params import SamplingParams
+from mvllm.engine.engine import Engine, EngineConfig
+from mvllm.engine.params import SamplingParams, check_budget
 from mvllm.engine.sequence import Sequence, Times
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer

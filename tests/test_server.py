@@ -169,6 +169,19 @@ def test_hundred_concurrent_streams_complete_without_leaking_blocks(mixed):
     assert all(free == total for free, total in wait_pools_full(mixed).values())
 
 
+def test_the_api_process_imports_no_torch(mixed):
+    """torch lives in the backend workers; the process that routes and streams maps none of it."""
+    def maps(pid: int) -> str:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    pid = mixed.proc.pid
+    children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    assert sum("libtorch" in maps(c) for c in children) == 2  # the two workers (beside multiprocessing's tracker)
+    assert "libtorch" not in maps(pid)
+
+
 def test_backends_decode_at_the_same_time(tmp_path):
     server = start(tmp_path, "--policy", "round-robin")
     try:

@@ -13,7 +13,7 @@ import pytest
 from conftest import prompts
 
 from mvllm import SamplingParams
-from mvllm.backends import process
+from mvllm.backends import process, worker
 from mvllm.backends.events import Error, Step
 from mvllm.backends.spec import BackendSpec
 from mvllm.engine.engine import Engine, EngineConfig
@@ -176,14 +176,14 @@ def test_a_step_that_fails_outside_any_batch_ends_every_request(llama, capfd):
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     seqs = [eng.add_request(p, greedy) for p in prompts(44, [5, 8])]
     spec, sent = BackendSpec(name="cpu", device="cpu"), []
-    process._step(eng, spec, sent.append)  # one running, one waiting
+    worker._step(eng, spec, sent.append)  # one running, one waiting
     schedule = eng.scheduler.schedule
 
     def broken():
         raise RuntimeError("injected scheduler fault")
 
     eng.scheduler.schedule = broken
-    process._step(eng, spec, sent.append)
+    worker._step(eng, spec, sent.append)
     errors = [m for m in sent if isinstance(m, Error)]
     assert [m.rid for m in errors] == [s.request_id for s in seqs]
     assert {m.message for m in errors} == {"backend cpu failed: RuntimeError: injected scheduler fault"}
@@ -208,14 +208,14 @@ def faulty_worker(spec_dict: dict, model: str, commands, events) -> None:
         return draw(logits, seqs, drawn)
 
     sampler._draw = _draw
-    process.worker_main(spec_dict, model, commands, events)
+    worker.worker_main(spec_dict, model, commands, events)
 
 
 def test_a_worker_sends_an_error_for_the_failing_request_only(llama, monkeypatch, capfd):
     """Two failing requests among four: each gets Error(rid, message) after its two tokens, the others
     every token (the same as when served again alone), the pool ends full, and the worker's log holds one
     line per failure and a single traceback (the same error, raised at the same place)."""
-    monkeypatch.setattr(process, "worker_main", faulty_worker)
+    monkeypatch.setattr(process, "worker_entry", faulty_worker)
     spec = BackendSpec(name="gpu", device="cpu", dtype="float32", threads=1, max_active=4, num_blocks=64)
     ps = prompts(43, [9, 13, 6, 10])
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The messages between the Cluster and its backends, one class each.
 
-A worker process (process.py) sends Ready or Failed once, when its engine has loaded or could not, then
+A worker process (worker.py) sends Ready or Failed once, when its engine has loaded or could not, then
 Scheduled, Step, KvEvents, Error, Aborted and a Reply for each Call; its parent adds Dead when the process ends.
 A remote server (remote.py) has no process: its RemoteBackend makes the same events from the HTTP streams,
 and Done, Lost, Load and Up besides. The Cluster receives every event but Ready, Failed and Reply (those are
@@ -23,7 +23,7 @@ Method = Literal["cached_prefix_len", "snapshot", "warm", "reset_prefix_cache"] 
 
 @dataclass(slots=True, frozen=True)
 class Ready:
-    """The engine has loaded (and captured its graphs): its settings and load (process.snapshot), and ready_s."""
+    """The engine has loaded (and captured its graphs): its settings and load (worker.snapshot), and ready_s."""
 
     info: dict
 

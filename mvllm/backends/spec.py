@@ -75,6 +75,9 @@ class BackendSpec:
         return asdict(self)
 
 
+QUANTS = ("none", "int8w", "int8-lossy")  # what each does: engine/quant.py
+LOSSY = ("int8-lossy",)
+RENAMED = {"int8": "int8-lossy"}
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
 LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
 
@@ -142,6 +145,25 @@ def parse_backends(text: str, max_active: int | None = None, check_devices: bool
         if check_devices:
             validate(spec)
     return specs
+
+
+def parse_apart(text: str | None, max_active: int | None = None) -> list[BackendSpec]:
+    """parse_backends (of default_backends() where text is None) in a short-lived process: checking a backend
+    against the hardware imports torch, which the server's own process, that routes and streams, never does.
+    Where torch is already imported (tests, the library API) there is nothing to keep out, so it parses here."""
+    import sys
+
+    if "torch" in sys.modules:
+        return _parse_or_default(text, max_active)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_parse_or_default, text, max_active).result()
+
+
+def _parse_or_default(text: str | None, max_active: int | None) -> list[BackendSpec]:
+    return parse_backends(text or default_backends(), max_active)
 
 
 def split_device(rest: str) -> tuple[str, list[str]]:

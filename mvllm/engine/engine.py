@@ -12,12 +12,12 @@ import torch
 from mvllm import machine
 from mvllm.engine.block_manager import BLOCK_SIZE, BlockManager
 from mvllm.engine.model_runner import Launched, ModelRunner
-from mvllm.engine.params import SamplingParams
+from mvllm.engine.params import SamplingParams, check_prompt
 from mvllm.engine.quant import BATCH_INVARIANT, cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import PENDING, Sequence, Status
 from mvllm.engine.sizes import DEFAULT_KV_GB, MAX_ACTIVE, MOST_ACTIVE, default_max_active, pool_blocks
-from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
+from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import ModelSource, build_model, resolve
 
 DEFAULT_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "mps": torch.float16}
@@ -88,27 +88,6 @@ class EngineConfig:
                                       f"quant={self.quant})", "batch_invariant")
         if self.quant == "int8w" and self.batch_invariant is None:
             self.batch_invariant = BATCH_INVARIANT
-
-
-def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """A prompt must be non-empty token ids of the vocabulary, leaving room for one generated token.
-    (The KV pool always holds max_model_len tokens: Engine caps max_model_len at the pool's size.)"""
-    if not token_ids:
-        raise InvalidRequestError("the prompt is empty", "prompt")
-    if any(not 0 <= t < vocab_size for t in token_ids):
-        raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
-    if len(token_ids) >= max_model_len:
-        raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but this model's context is "
-                                 f"{max_model_len}; shorten the prompt", "prompt")
-
-
-def check_budget(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """An explicit max_tokens must fit the context with the prompt, as vLLM and OpenAI require."""
-    if prompt_tokens + max_tokens > max_model_len:
-        raise ContextLengthError(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-                                 f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                                 "completion.", "max_tokens")
 
 
 def context_len(config: EngineConfig, model_cfg, num_blocks: int) -> int:

@@ -1,11 +1,11 @@
-"""Sampling parameters, shaped like vLLM's."""
+"""Sampling parameters, shaped like vLLM's, and the checks a request passes before any engine sees it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from mvllm.errors import InvalidRequestError
+from mvllm.errors import ContextLengthError, InvalidRequestError, PromptTooLongError
 
 
 @dataclass(slots=True)
@@ -71,3 +71,24 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt must be non-empty token ids of the vocabulary, leaving room for one generated token.
+    (The KV pool always holds max_model_len tokens: Engine caps max_model_len at the pool's size.)"""
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
+    if len(token_ids) >= max_model_len:
+        raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but this model's context is "
+                                 f"{max_model_len}; shorten the prompt", "prompt")
+
+
+def check_budget(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """An explicit max_tokens must fit the context with the prompt, as vLLM and OpenAI require."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                                 f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                                 "completion.", "max_tokens")

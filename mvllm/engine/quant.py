@@ -31,13 +31,11 @@ import torch
 from torch import nn
 
 from mvllm import machine
+from mvllm.backends.spec import QUANTS, RENAMED
 from mvllm.errors import InvalidRequestError
 from mvllm.kernels import cpu_int8, cpu_layers
 from mvllm.model.decoder import Decoder
 
-QUANTS = ("none", "int8w", "int8-lossy")
-LOSSY = ("int8-lossy",)
-RENAMED = {"int8": "int8-lossy"}
 PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
 # ... and up to this many where the weights are in the kernel's lanes layout. A step's linears on the H200
 # machine's Xeon against the bf16 GEMM (experiments/cpu_int8_speed.py --gemm, one call, commit 6c36caf): 16 rows

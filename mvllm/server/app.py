@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from mvllm.engine.engine import check_budget, check_prompt
-from mvllm.engine.params import SamplingParams
+from mvllm.engine.params import SamplingParams, check_budget, check_prompt
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.model.tokenizer import Tokenizer
 from mvllm.server.cluster import Cluster
@@ -184,32 +183,37 @@ class Run:
         self.finish_reason: str | None = None
         self.error: str | None = None
 
-    async def deltas(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """Yield (text delta, new token ids) until the request ends."""
-        async for ev in self.cluster.events(self.rid):
-            if ev.backend is not None:
-                self.backend = ev.backend
-            if ev.cached_tokens is not None:
-                self.cached = ev.cached_tokens
-            if ev.error:
-                self.error = ev.error
-                return
-            if ev.token is not None:
-                self.first_token = self.first_token or time.time()
-                self.tokens.append(ev.token)
-                text, stopped = self.detok.add(ev.token, final=ev.finish_reason is not None)
-                if stopped:
-                    self.finish_reason = "stop"
-                    yield text, [ev.token]
+    async def deltas(self) -> AsyncIterator[list[tuple[str, list[int]]]]:
+        """Yield (text delta, new token ids) pairs, a list of all that arrived at once, until the request ends."""
+        async for events in self.cluster.events(self.rid):
+            out: list[tuple[str, list[int]]] = []
+            for ev in events:
+                if ev.backend is not None:
+                    self.backend = ev.backend
+                if ev.cached_tokens is not None:
+                    self.cached = ev.cached_tokens
+                if ev.error:
+                    self.error = ev.error
+                    break
+                if ev.token is not None:
+                    self.first_token = self.first_token or time.time()
+                    self.tokens.append(ev.token)
+                    text, stopped = self.detok.add(ev.token, final=ev.finish_reason is not None)
+                    out.append((text, [ev.token]))
+                    if stopped:
+                        self.finish_reason = "stop"
+                        break
+                if ev.finish_reason:
+                    self.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
+                    if ev.token is None and (held := self.detok.flush()):
+                        out.append((held, []))
+                    break
+            if out:
+                yield out
+            if self.error or self.finish_reason:
+                if self.finish_reason:
                     self._observe()
-                    return  # leaving the stream aborts the request on its backend
-                yield text, [ev.token]
-            if ev.finish_reason:
-                self.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
-                if ev.token is None and (held := self.detok.flush()):
-                    yield held, []
-                self._observe()
-                return
+                return  # leaving the stream early (a stop string) aborts the request on its backend
 
     def _observe(self) -> None:
         now = time.time()
@@ -275,15 +279,18 @@ async def until_done(run: Run, request: Request) -> None:
         pass
 
 
-async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
-    def line(payload: dict) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
+async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+    """The response's body: one event per token, and the events of all the tokens that arrived since the last
+    write in one write (a response that falls behind its backend catches up at the cost of one write)."""
+    def line(payload: dict) -> bytes:
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     if shape.chat:
         yield line(shape.chunk(None, [], None, role=True))
-    async for text, ids in run.deltas():
+    async for deltas in run.deltas():
         shape.backend = run.backend
-        yield line(shape.chunk(text, ids, None))
+        yield b"".join([line(shape.chunk(text, ids, None)) for text, ids in deltas])
+    shape.backend = run.backend
     if run.error:
         yield line({"error": {"message": run.error, "type": "server_error", "param": None,
                               "code": "backend_failed"}})
@@ -292,4 +299,4 @@ async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[str]
     if include_usage:
         yield line({**shape._body(shape.object + ".chunk" if shape.chat else shape.object, []),
                     "usage": run.usage()})
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"

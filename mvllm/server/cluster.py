@@ -55,6 +55,32 @@ class Event:
     backend: str | None = None  # the request moved to this backend (its first one died before it began)
 
 
+class Stream:
+    """A request's events not yet taken: the backends' events append, its response takes them all at once, so
+    a response that falls behind its backend catches up in one write instead of one per token."""
+
+    __slots__ = ("events", "waiter")
+
+    def __init__(self):
+        self.events: list[Event] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, event: Event) -> None:
+        self.events.append(event)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[Event]:
+        while not self.events:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        events, self.events = self.events, []
+        return events
+
+
 class Cluster:
     """restart: respawn a backend whose worker died, warm it with the prefixes warmed so far, and route to it
     again. A dead backend's requests that have not sent a token yet go to another backend by the policy."""
@@ -65,7 +91,7 @@ class Cluster:
         self.backends: dict[str, Backend] = {s.name: make_backend(s, model) for s in specs}
         router.estimated = {s.name for s in specs if s.remote}  # their cached prefixes are shadow estimates
         self.index = PrefixIndex()  # the workers' cached blocks, from their KV events
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, Stream] = {}
         self.owner: dict[str, str] = {}
         self.unstarted: dict[str, tuple[list[int], SamplingParams, float]] = {}  # no token sent yet
         self.snapshots: dict[str, dict] = {}
@@ -252,7 +278,7 @@ class Cluster:
     def _put(self, rid: str, event: Event) -> None:
         stream = self.streams.get(rid)
         if stream is not None:
-            stream.put_nowait(event)
+            stream.put(event)
 
     async def cached_prefix(self, token_ids: list[int], hashes: list[int] | None = None) -> dict[str, int]:
         """Each live backend's cached prefix of this prompt: a worker's from the index of its KV events, with no
@@ -288,26 +314,25 @@ class Cluster:
         blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
         cached = await self.cached_prefix(token_ids, blocks)
         name = self.route(rid, token_ids, params, cached, blocks=blocks)
-        self.streams[rid] = asyncio.Queue()
+        self.streams[rid] = Stream()
         self.owner[rid] = name
         self.unstarted[rid] = (token_ids, params, arrival)
         self.metrics.routed.labels(name).inc()
         self.backends[name].submit(rid, token_ids, params, arrival)
         return rid, name
 
-    async def events(self, rid: str) -> AsyncIterator[Event]:
-        """Yield the request's events until it ends; abort it on its backend if the consumer goes away."""
+    async def events(self, rid: str) -> AsyncIterator[list[Event]]:
+        """Yield the request's events, all that arrived since the last yield at once, until it ends; abort it
+        on its backend if the consumer goes away."""
         stream, done = self.streams[rid], False
         try:
-            while True:
-                event = await stream.get()
-                if event.token is None and event.error is None and event.finish_reason is None:
-                    yield event
-                    continue
-                done = event.error is not None or event.finish_reason is not None
-                yield event
-                if done:
-                    return
+            while not done:
+                events = await stream.take()
+                for i, event in enumerate(events):
+                    if event.error is not None or event.finish_reason is not None:
+                        done, events = True, events[:i + 1]
+                        break
+                yield events
         finally:
             self.streams.pop(rid, None)
             self.unstarted.pop(rid, None)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mvllm.backends.spec import BackendSpec, parse_backends, share_cores
-from mvllm.engine.quant import LOSSY
+from mvllm.backends.spec import LOSSY, BackendSpec, parse_apart, share_cores
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
 from mvllm.model.tokenizer import Tokenizer
@@ -54,14 +53,14 @@ def choose_policy(policy: str | None, profile: str | None) -> str:
     return policy or ("eta" if profile else "gpu-only")
 
 
-def serve(model: str, backends: str, policy: str | None, profile: str | None, max_active: int | None, host: str,
+def serve(model: str, backends: str | None, policy: str | None, profile: str | None, max_active: int | None, host: str,
           port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float,
           shutdown_timeout: float = 30.0, restart_backends: bool = False) -> None:
     import uvicorn
 
     from mvllm.server.shutdown import GracefulServer
 
-    specs = parse_backends(backends, max_active)
+    specs = parse_apart(backends, max_active)  # backends None: default_backends()
     for line in lossy_warnings(specs):
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False)
     policy = choose_policy(policy, profile)
