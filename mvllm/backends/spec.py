@@ -75,9 +75,6 @@ class BackendSpec:
         return asdict(self)
 
 
-QUANTS = ("none", "int8w", "int8-lossy")  # what each does: engine/quant.py
-LOSSY = ("int8-lossy",)
-RENAMED = {"int8": "int8-lossy"}
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
 LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
 

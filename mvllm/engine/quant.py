@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mvllm import machine
-from mvllm.backends.spec import QUANTS, RENAMED
+from mvllm.engine.modes import QUANTS, RENAMED
 from mvllm.errors import InvalidRequestError
 from mvllm.kernels import cpu_int8, cpu_layers
 from mvllm.model.decoder import Decoder

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mvllm.backends.spec import LOSSY, BackendSpec, parse_apart, share_cores
+from mvllm.backends.spec import BackendSpec, parse_apart, share_cores
+from mvllm.engine.modes import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
 from mvllm.model.tokenizer import Tokenizer
