@@ -64,6 +64,44 @@ class CpuByRole:
         return {r: round((cpu_seconds(p) - self.c0[r]) / wall, 3) for r, p in self.roles.items()}
 
 
+class Occupancy:
+    """The backends' running and waiting requests, from /metrics every `every` seconds while it runs: a served
+    replay slower than offline with a batch below max_active is starved by the API process, not the engine."""
+
+    def __init__(self, url: str, every: float = 0.2):
+        import threading
+
+        self.url, self.every, self.samples, self.done = url, every, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def run(self) -> None:
+        import urllib.request
+
+        while not self.done.wait(self.every):
+            try:
+                text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
+            except OSError:
+                continue
+            row = {}
+            for line in text.splitlines():
+                for key in ("running", "waiting"):
+                    if line.startswith(f"mvllm_num_requests_{key}{{"):
+                        name = line.split('backend="')[1].split('"')[0]
+                        row[f"{name}_{key}"] = float(line.rsplit(" ", 1)[1])
+            self.samples.append(row)
+
+    def stop(self) -> dict:
+        self.done.set()
+        self.thread.join()
+        keys = sorted({k for row in self.samples for k in row})
+        return {k: round(sum(r.get(k, 0) for r in self.samples) / max(len(self.samples), 1), 1) for k in keys} | {
+            "samples": len(self.samples)}
+
+
 def make_requests(n: int, prompt: int, output: int, vocab: int, seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     return [Request(i, [rng.randrange(10, vocab - 10) for _ in range(prompt)], output, 0.0) for i in range(n)]
@@ -112,14 +150,14 @@ def served(args, reqs, backends: str, policy: str, profile: str | None, log: Pat
         server.wait_ready(900)
         warm = make_requests(args.active, args.prompt, 8, args.vocab, seed=1)
         generate(server.url, args.model, warm, 600.0, 1)
-        roles = CpuByRole(server.proc.pid).start()
+        roles, occupancy = CpuByRole(server.proc.pid).start(), Occupancy(server.url).start()
         records, duration, _, health = generate(server.url, args.model, reqs, 900.0, args.client_workers)
-        cpu = roles.stop()
+        cpu, mean_load = roles.stop(), occupancy.stop()
     s = summarize(records, duration)
     keys = ("completed", "failed", "duration", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "backend_requests")
     return {k: s[k] for k in keys} | {"client": summarize_client(records, health, s["median_ttft_ms"]),
-                                      "server_cpu": cpu, "backends": backends, "policy": policy}
+                                      "server_cpu": cpu, "mean_load": mean_load, "backends": backends, "policy": policy}
 
 
 def main() -> None:
