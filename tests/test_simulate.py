@@ -116,6 +116,25 @@ def test_cli_writes_summaries_and_fails_in_one_line(tmp_path):
         assert words in res.output and len(res.output.strip().splitlines()) == 1
 
 
+def test_every_committed_run_resimulates_from_its_own_folder(tmp_path, monkeypatch):
+    """A run's copy of its experiment finds its trace and its profile from any folder; one simulates there."""
+    from mvllm.bench.experiment import find_profile
+
+    monkeypatch.chdir(tmp_path)
+    copies = sorted((ROOT / "results").rglob("experiment.toml"))
+    assert len(copies) >= 20
+    for copy in copies:
+        exp = load(copy)
+        for key in ("path", "output_from"):
+            assert not getattr(exp.workload, key) or Path(getattr(exp.workload, key)).is_file(), (copy, key)
+        if exp.profile is not None:
+            assert find_profile(exp).is_file(), copy
+    copy = ROOT / "results/real-traffic/trace-conversation/experiment.toml"
+    res = runner.invoke(app, ["simulate", str(copy), "--policy", "gpu-only", "--out", str(tmp_path / "sim")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "sim" / "gpu-only" / "summary.json").read_text())["completed"] > 400
+
+
 def test_simulate_refuses_a_remote_server():
     """bench's --url (an external server) cannot be modelled: one line says so."""
     res = runner.invoke(app, ["simulate", str(ROOT / "experiments/paper-8.toml"), "--url", "http://127.0.0.1:1"])

@@ -166,12 +166,17 @@ def find_profile(exp: Experiment, results: Path | None = None,
                  measure: Callable[[Experiment, Path], None] | None = None) -> Path | None:
     """The profile an experiment routes by; None where it names none. Its `profile` is a file (relative to the
     current folder, else to the experiment file; checked as a profile) or "auto": profile.json in the results
-    folder (`results`, default results/<name>), measured there by `mvllm profile`. `mvllm bench` passes
+    folder (`results`, default results/<name>), measured there by `mvllm profile`; for an experiment file that
+    is a run's copy under results/, the profile.json beside it or in the folder above (a group's shared one). `mvllm bench` passes
     `measure(exp, path)`, which makes that file or keeps one that covers the experiment (runner.measure);
     `mvllm simulate` passes none, and reads the file an earlier bench measured."""
     if exp.profile is None:
         return None
     if exp.profile == "auto":
+        if results is None and measure is None and exp.path is not None and exp.path.name == "experiment.toml":
+            for beside in (exp.path.parent / "profile.json", exp.path.parent.parent / "profile.json"):
+                if beside.is_file():
+                    return beside
         path = (results if results is not None else Path("results") / exp.name) / "profile.json"
         if measure is not None:
             measure(exp, path)
@@ -201,11 +206,23 @@ def load(path: str | Path) -> Experiment:
     exp = from_dict(data, str(path))
     exp.path = path
     w = exp.workload
-    for key in ("path", "output_from"):  # a file relative to the current folder, else to the experiment file
-        name = getattr(w, key)
-        if name and not Path(name).expanduser().exists() and (path.parent / name).exists():
-            setattr(w, key, str(path.parent / name))
+    for key in ("path", "output_from"):
+        if name := getattr(w, key):
+            setattr(w, key, str(find_file(name, path)))
     return exp
+
+
+def find_file(name: str, experiment: Path) -> Path:
+    """A file an experiment names: relative to the current folder, else to the experiment file's folder or one
+    above it, or to experiments/ there (a copy under results/<x>/ names it as it was written beside its trace);
+    as given where none exists, for the workload to say so."""
+    if Path(name).expanduser().exists():
+        return Path(name).expanduser()
+    for folder in experiment.resolve().parents:
+        for base in (folder, folder / "experiments"):
+            if (base / name).exists():
+                return base / name
+    return Path(name)
 
 
 def from_dict(data: dict, where: str = "experiment") -> Experiment:
