@@ -140,3 +140,21 @@ def test_no_block_of_code_is_copied_between_files():
             if first[0] != path:
                 copies.append(f"{path.relative_to(ROOT)}:{line} = {first[0].relative_to(ROOT)}:{first[1]}")
     assert not copies, "\n".join(copies[:10])
+
+
+PATH_NAMED = re.compile(r"(?<![\w/<.-])((?:[A-Za-z_][\w.-]*/)+[\w-]+\.(?:py|cpp|h|toml|md|json))\b")
+
+
+def test_every_path_a_comment_names_exists():
+    """A docstring or comment in mvllm/ that names a file (engine/quant.py, docs/routing.md) names one that is
+    there: relative to the repository, mvllm/, a package of it, or the naming file's folder."""
+    bases = [ROOT, PACKAGE] + [d for d in PACKAGE.iterdir() if d.is_dir()]
+    missing = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.cpp"), *PACKAGE.rglob("*.h")]):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("#include"):
+                continue
+            for name in PATH_NAMED.findall(line):
+                if not any((base / name).exists() for base in [*bases, path.parent]):
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: {name}")
+    assert missing == []

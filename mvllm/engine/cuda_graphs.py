@@ -11,7 +11,7 @@ slot 0 only; their outputs are ignored.
 
 Two ways to run a step:
 - compiled (the default where Triton exists): rotary with the cache write, and attention reading K/V
-  through the block table, are Triton kernels that take the packed input whole (model/table_attention.py);
+  through the block table, are Triton kernels that take the packed input whole (kernels/triton_attention.py);
   torch.compile fuses the rest of each layer (norms, SiLU) before the graphs are captured. One compile with a
   dynamic token count serves every bucket, including prefill buckets (a cold prefill is launch-bound without
   a graph: ~12 ms of host work against ~2.4 ms of GPU work for 516 tokens of Qwen2.5-0.5B on the H200);

@@ -6,7 +6,7 @@ default) every step runs torch.compile'd code whose attention reads the paged ca
 graphs or not (engine/cuda_graphs.py). Without it larger steps, and every step on CPU and MPS, run eagerly.
 On x86 CPUs the float32 and bfloat16 Linear layers run through oneDNN with pre-packed weights (`quant.pack`);
 in float32 (and int8w) the rest of each layer runs through mvllm's fused CPU kernels where they build
-(`model/fused.py`; `fused=False` turns them off)."""
+(`kernels/cpu_fused.py`; `fused=False` turns them off)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 about 9 calls (norm, qkv matmul, rope_store, paged_attention, o matmul, norm, gate_up matmul, silu_mul,
 down matmul) instead of ~40 small torch ops plus a copy of the paged KV context before attention.
 
-Built on first use by engine/build.py and cached, like cpu_kernels. `available()` never raises: when the build
+Built on first use by kernels/build.py and cached, like cpu_kernels. `available()` never raises: when the build
 fails it returns False and `why_unavailable` says why (one line: the compiler's first error); the wrappers then
 run the `reference_*` versions (plain torch ops, the specification of each kernel's semantics, used by the
 tests). `build_info()`: build.status("fused"), the flags it built with and whether with OpenMP (without

@@ -3,7 +3,7 @@ value, held as float32, or as float16 in the lanes layouts), float32 activations
 (csrc/int8_linear.cpp) reads each weight byte once per call for all activation rows, so decode (up to 32 rows in
 the lanes8 layout, 16 in lanes) runs near memory bandwidth on 27-28% of float32's bytes.
 
-It is built on first use by engine/build.py and cached. `available()` never raises: when the
+It is built on first use by kernels/build.py and cached. `available()` never raises: when the
 build fails it returns False and `why_unavailable` says why (one line: the compiler's first error);
 `int8_linear` then computes the same result with plain torch ops (slowly, de-quantizing the whole weight).
 `build_info()`: build.status("int8"), the flags it built with and whether with OpenMP, or its error.

@@ -44,7 +44,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     rotated q [T, heads, D]; the rotated k and v written into cache[0] and cache[1] at each token's slot.
     packed [T, 4 + W]: each token's (token id, position, slot, key length, block table), the compiled step's
     input itself (slicing it here costs no kernel; columns handed to the op would each be copied).
-    With `x` (norms folded into the projection, model/gpu_ops.py) each row is first scaled by RMSNorm's
+    With `x` (norms folded into the projection, kernels/triton_ops.py) each row is first scaled by RMSNorm's
     rstd(x); then `bias` is added."""
     if qkv.is_cuda and triton is not None:
         return _triton_rope_store(qkv, cos, sin, cache, packed, heads, kv_heads, bias, x, eps)

@@ -7,9 +7,9 @@ query reads. These layouts share one entry point:
 - "rows": one query row per token (decode, and the CUDA-graph path for any small batch): row t reads
   gather_index[t] under mask[t];
 - "paged": the general case (a cached prefix, mixed lengths): queries padded to [B, Lq];
-- "fused": the CPU float32 kernels (model/fused.py): each token reads its keys from the paged cache;
+- "fused": the CPU float32 kernels (kernels/cpu_fused.py): each token reads its keys from the paged cache;
 - "table": the same per-token layout for the GPU's compiled path; the decoder calls its two ops itself
-  (rotary with the cache write, then attention: model/triton_attention.py).
+  (rotary with the cache write, then attention: kernels/triton_attention.py).
 On CPU, "rows" and "paged" read whole blocks (`block_index`, one contiguous copy per block) instead of
 gathering slot by slot, which costs 2-3x more there.
 """

@@ -1,4 +1,4 @@
-"""The decoder's forward on the CPU in float32 through mvllm's fused kernels (engine/cpu_fused.py).
+"""The decoder's forward on the CPU in float32 through mvllm's fused kernels (kernels/cpu_fused.py).
 
 One layer is nine calls: residual add + RMSNorm, QKV projection, RoPE + KV-cache write, attention read
 straight from the paged cache through the block table (no copy of the context), O projection, residual add +

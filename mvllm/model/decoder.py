@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
 
     def _table(self, x, rope, cache, meta):
         """The GPU's compiled layer: rotary with the cache write (and the QKV bias) in one kernel, attention
-        through the block table in one. Folded (model/triton_ops.py): no norm kernels, the kernels after qkv_proj
+        through the block table in one. Folded (kernels/triton_ops.py): no norm kernels, the kernels after qkv_proj
         and gate_up_proj scale each row by its RMSNorm rstd, the residual adds happen inside o_proj and
         down_proj, and these three take mvllm's small-row GEMM. Unfolded (any Linear, CPU-packed too): the
         norms and the rest as modules."""

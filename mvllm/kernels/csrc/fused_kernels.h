@@ -1,6 +1,6 @@
 #pragma once
 
-// Fused float32 CPU kernels for the decoder's non-matmul work (see mvllm/engine/cpu_fused.py):
+// Fused float32 CPU kernels for the decoder's non-matmul work (see mvllm/kernels/cpu_fused.py):
 //   add_rms_norm     residual add + RMSNorm
 //   rope_store       RoPE on q and k of the fused QKV output, k and v written into the paged KV cache
 //   paged_attention  softmax attention read straight from the paged cache (flash-decoding: key chunks
