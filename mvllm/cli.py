@@ -230,6 +230,13 @@ def simulate(
     warm_lengths: bool = typer.Option(False, "--warm-lengths",
                                       help="Start the router's length estimate from the workload sent once "
                                            "before (a server that has served this traffic), not from nothing."),
+    slo: str = typer.Option(None, help="Instead: find each policy's highest load at which --slo-share of "
+                                       "the requests meet this SLO, e.g. \"ttft:2000 tpot:50\" (ms; ttft, tpot, "
+                                       "e2el), by bisection (capacity.json, capacity.png)."),
+    slo_share: float = typer.Option(0.99, help="With --slo: the share of requests that must meet it."),
+    loads: str = typer.Option(None, help="With --slo: LOW:HIGH, the search's first bounds in the experiment's "
+                                         "load unit (default: a quarter of its load, and its load)."),
+    tolerance: float = typer.Option(0.05, help="With --slo: stop when the bounds are this close (relative)."),
     url: str = typer.Option(None, hidden=True),  # bench's option, refused in one line
 ):
     """Predict an experiment from a profile without running it: its workload through the real router and
@@ -256,6 +263,11 @@ def simulate(
         from mvllm.simulate.grid import grid as map_grid
 
         console.print(f"wrote {map_grid(exp, data, folder)} and grid.png", highlight=False)
+        return
+    if slo is not None:
+        from mvllm.simulate.capacity import run_capacity
+
+        run_capacity(exp, data, policies, folder, slo, slo_share, loads, tolerance, console)
         return
     if not 0 <= spread < 1:
         raise MvllmError(f"--spread must be in [0, 1), not {spread}")

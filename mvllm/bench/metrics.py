@@ -101,7 +101,7 @@ def stats(name: str, values_s: list[float]) -> dict:
     return out
 
 
-def parse_slo(items: Iterable[str]) -> dict[str, float]:
+def parse_slo(items: Iterable[str], flag: str = "--goodput") -> dict[str, float]:
     """vLLM's `--goodput KEY:MS` pairs (KEY ttft, tpot or e2el; repeated, or several in one value apart by
     spaces or commas) as {"ttft_ms": MS, ...}."""
     out: dict[str, float] = {}
@@ -112,16 +112,16 @@ def parse_slo(items: Iterable[str]) -> dict[str, float]:
             name, sep, value = pair.partition(":")
             key = name if name.endswith("_ms") else f"{name}_ms"
             if not sep:
-                raise SloError(f"--goodput {pair!r}: expected KEY:MS (vLLM's form), e.g. --goodput ttft:500")
+                raise SloError(f"{flag} {pair!r}: expected KEY:MS (vLLM's form), e.g. {flag} ttft:500")
             if key not in SLO_KEYS:
-                raise SloError(f"--goodput {pair!r}: unknown metric {name!r}; give KEY:MS with KEY one of ttft, "
-                               "tpot, e2el, e.g. --goodput ttft:500 --goodput e2el:5000")
+                raise SloError(f"{flag} {pair!r}: unknown metric {name!r}; give KEY:MS with KEY one of ttft, "
+                               f"tpot, e2el, e.g. {flag} ttft:500")
             try:
                 ms = float(value)
             except ValueError:
                 ms = math.nan
             if not 0 < ms < math.inf:
-                raise SloError(f"--goodput {pair!r}: the bound must be a positive number of milliseconds, "
+                raise SloError(f"{flag} {pair!r}: the bound must be a positive number of milliseconds, "
                                f"e.g. {name}:500")
             out[key] = ms
     return out
