@@ -13,6 +13,12 @@ batch costs the same: pure weight streaming) to f = 0.44 (a batch-1 step costs 0
 brackets what this project measured on the H200 machine, where a batch-1 step cost 0.79 of a batch-4 one on
 the CPU (int8w) and 0.93 on the GPU. Run: `python experiments/m2_reference.py` (writes
 results/simulate/m2-reference.json).
+
+`--capacity` answers the reference's question in the unit hardware is bought in: with the reference's requests
+(496 + 20 prompt tokens, 128 out) arriving as Poisson traffic, the highest rate at which 99% of them meet an
+SLO, for gpu-only, mixed and eta (`mvllm simulate --slo`'s search), at each f, for two SLOs: one the M2's CPU
+can meet while decoding (TPOT 100 ms against its 89 ms step at batch 4) and one it cannot (TPOT 50 ms).
+Writes results/simulate/m2-capacity.json and, for f = 0.8, m2-capacity-<slo>.png.
 """
 
 from __future__ import annotations
@@ -45,7 +51,44 @@ def profile(share: float) -> dict:
             "backends": backends}
 
 
+SLOS = ("ttft:2000 tpot:100", "ttft:2000 tpot:50")
+CAPACITY_POLICIES = ["gpu-only", "mixed", "eta"]
+
+
+def capacity_main() -> int:
+    from mvllm.bench.experiment import apply
+    from mvllm.bench.metrics import parse_slo
+    from mvllm.simulate.capacity import capacity, draw
+
+    exp = load(Path(__file__).resolve().parent / "paper-48.toml")
+    exp.backends = "gpu=mps,cpu=cpu"
+    exp = apply(apply(apply(exp, "workload.arrival", "poisson"), "workload.rate", 8.0), "workload.requests", 400)
+    out = {"command": "python experiments/m2_reference.py --capacity", "share": 0.99, "tolerance": 0.02,
+           "workload": "paper-48's requests (496 cached + 20 tokens, 128 out), 400 of them, Poisson arrivals",
+           "rows": []}
+    print("| f | SLO | gpu-only req/s | mixed | eta |")
+    print("| --- | --- | --- | --- | --- |")
+    for share in SHARES:
+        for text in SLOS:
+            slo = parse_slo([text])
+            found = capacity(exp, profile(share), CAPACITY_POLICIES, slo, 0.99, (1.0, 8.0), 0.02)
+            rates = {r["policy"]: r["capacity"] for r in found}
+            out["rows"].append({"share_f": share, "slo": slo, "capacity": rates, "searches": found})
+            g = rates["gpu-only"]
+            cells = [f"{rates['gpu-only']:.2f}"] + [f"{rates[p]:.2f} ({100 * (rates[p] / g - 1):+.0f}%)"
+                                                    for p in ("mixed", "eta")]
+            print(f"| {share} | {text} | " + " | ".join(cells) + " |", flush=True)
+            if share == 0.8:
+                name = text.replace("ttft:", "ttft").replace(" tpot:", "-tpot")
+                draw(found, f"reference M2 (f = 0.8), simulated: 99% within {text} ms",
+                     Path(f"results/simulate/m2-capacity-{name}.png"))
+    Path("results/simulate/m2-capacity.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
 def main() -> int:
+    if "--capacity" in sys.argv[1:]:
+        return capacity_main()
     root = Path(__file__).resolve().parent
     out = {"command": "python experiments/m2_reference.py", "model": "step(b) = step(4) * (f + (1 - f) * b / 4)",
            "reference": REFERENCE, "predictions": []}
