@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mvllm import machine
+from mvllm import knobs, machine
 from mvllm.backends.spec import BackendSpec, is_cuda, parse_backends, share_cores
 from mvllm.model.config import ModelConfig
 from mvllm.model.presets import DEFAULT_MODEL, PRESETS
@@ -168,7 +168,7 @@ def collect(backends: str) -> dict:
     share_cores(specs)
     return {"platform": platform.platform(), "python": platform.python_version(), "build": machine.build_facts(),
             "compute_cores": machine.compute_cores()[1], "devices": devices(), "backends_spec": backends,
-            "backends": {s.name: backend_facts(s) for s in specs}}
+            "backends": {s.name: backend_facts(s) for s in specs}, "knobs": knobs.set_now()}
 
 
 def render(facts: dict) -> str:
@@ -196,6 +196,9 @@ def render(facts: dict) -> str:
         else:
             lines.append(f"  {'':<10}  graphs {yes[f['graphs']]}, compiled {yes[f['compiled']]}, "
                          f"sampling {f['sampling']}")
+    set_knobs = facts.get("knobs") or {}
+    lines.append("variables     " + (", ".join(f"{k}={v}" for k, v in set_knobs.items()) if set_knobs else
+                                     "no MVLLM_* variable set (docs/knobs.md lists them)"))
     return "\n".join(lines)
 
 

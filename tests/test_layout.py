@@ -158,3 +158,16 @@ def test_every_path_a_comment_names_exists():
                 if not any((base / name).exists() for base in [*bases, path.parent]):
                     missing.append(f"{path.relative_to(ROOT)}:{number}: {name}")
     assert missing == []
+
+
+def test_every_environment_variable_read_is_registered():
+    """mvllm/knobs.py lists every MVLLM_* name in mvllm/ (Python and C++) and no other; docs/knobs.md is its table."""
+    from mvllm.knobs import NAMES, markdown
+
+    found = set()
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.cpp"), *PACKAGE.rglob("*.h")]:
+        if path.name != "knobs.py":
+            found |= set(re.findall(r"\bMVLLM_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert found - NAMES == set(), "read but not in mvllm/knobs.py"
+    assert NAMES - found == set(), "in mvllm/knobs.py but read nowhere"
+    assert (ROOT / "docs/knobs.md").read_text().endswith(markdown())
