@@ -18,10 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulate_proof import with_serving  # noqa: E402
-
 from mvllm.bench.experiment import load  # noqa: E402
 from mvllm.simulate.grid import faster_cpu  # noqa: E402
+from mvllm.simulate.proof import with_serving  # noqa: E402
 from mvllm.simulate.sim import simulate  # noqa: E402
 
 POLICIES = ["gpu-only", "mixed", "eta", "makespan"]

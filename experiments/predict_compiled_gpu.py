@@ -23,9 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulate_proof import with_serving  # noqa: E402
-
 from mvllm.bench.experiment import load  # noqa: E402
+from mvllm.simulate.proof import with_serving  # noqa: E402
 from mvllm.simulate.sim import simulate  # noqa: E402
 
 KEYS = ("value", "backend_requests", "duration", "median_ttft_ms", "p95_ttft_ms", "median_e2el_ms", "p95_e2el_ms")

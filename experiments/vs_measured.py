@@ -17,8 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulate_proof import COMPILED, drift_check, hit_rate_check, prove, ran, serving, with_serving  # noqa: E402
-
+from mvllm.simulate.proof import COMPILED, drift_check, hit_rate_check, prove, ran, serving, with_serving  # noqa: E402
 from mvllm.simulate.sim import DRIFT, simulate  # noqa: E402
 
 

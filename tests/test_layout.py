@@ -171,3 +171,9 @@ def test_every_environment_variable_read_is_registered():
     assert found - NAMES == set(), "read but not in mvllm/knobs.py"
     assert NAMES - found == set(), "in mvllm/knobs.py but read nowhere"
     assert (ROOT / "docs/knobs.md").read_text().endswith(markdown())
+
+
+def test_tests_import_nothing_from_experiments_by_path():
+    for path in (ROOT / "tests").glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"sys\.path\.(insert|append)\([^)]*experiments", text), path.name

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from mvllm.cli import app
 from mvllm.simulate.sim import measured, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))  # simulate_proof: the proof script over the committed runs
 runner = CliRunner()
 
 
@@ -46,7 +44,7 @@ def test_every_committed_run_is_predicted_within_the_bars():
     15%; that sweep misses (its profile predates the `mixed` admission steps): priced by the mixed steps its own
     runs served, its gpu-only and eta cells come within 5%, and run again with a profile that has them, every
     cell is within 5%."""
-    from simulate_proof import COMPILED, drift_check, hit_rate_check, prove, serving
+    from mvllm.simulate.proof import COMPILED, drift_check, hit_rate_check, prove, serving
 
     block = serving(ROOT)
     committed = json.loads((ROOT / "results/simulate/serving.json").read_text())
@@ -181,7 +179,7 @@ def test_report_draws_the_committed_predictions_beside_the_runs():
     res = load_results(ROOT / "results/paper-48")
     predicted = _predicted(res)
     assert set(predicted) == {(p, None) for p in res.policies}
-    from simulate_proof import prove
+    from mvllm.simulate.proof import prove
 
     block = json.loads((ROOT / "results/simulate/serving.json").read_text())
     fresh = {c["policy"]: c["makespan"] for c in prove(ROOT, block, ["paper-48"])["experiments"]["paper-48"]["cells"]}

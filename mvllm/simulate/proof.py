@@ -1,4 +1,4 @@
-"""The simulator held to the committed H200 runs (issue 13, part 2), and the serving overheads it needs.
+"""The simulator held to the committed H200 runs, and the serving overheads it needs.
 
 `serving(folder)` measures, from one experiment's committed runs, what a profile does not see: per backend,
 the time a request spends outside the backend (HTTP, routing, pipes; `request_ms`) and the host time each
