@@ -17,11 +17,11 @@
 #                                    # (commit `mvllm simulate`'s prediction from x's profile first)
 #   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic (issue 26): the router alone,
 #                                    # then every policy on paper-48-hidden, shared-prefix, the trace, 3 backends
-#   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/gpu_step_kernels.py), then the
+#   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
 # Every stage but p and t first profiles the session's backends once (with --serving), into RUNS.
-# Before running a new GPU or CPU path, commit the simulator's prediction (experiments/predict_compiled_gpu.py).
+# Before running a new GPU or CPU path, commit the simulator's prediction (experiments/probes/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
 # path compiles once per cache (about 60 s) and then starts in under 30 s.
 # Export MVLLM_GIT_COMMIT=<the commit here> on the device: the copy's .git there can show an older HEAD, and
@@ -70,8 +70,8 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
         run 240 accuracy python3 -m mvllm.cli profile --model smollm2-135m --lengths 128 --repeats 2 --steps 4 \
             --backends compiled=cuda/max_active=4,graphs=cuda/compile=off/max_active=4,eager=cuda/graphs=off/max_active=4 \
             --out "$runs/smollm2-accuracy.json" ;;
-    s) run 300 sampler python3 experiments/sampler_speed.py --out "$runs/sampler.json" ;;
-    k) run 200 kernels python3 experiments/gpu_step_kernels.py --out "$runs/gpu-kernels.json"
+    s) run 300 sampler python3 experiments/probes/sampler_speed.py --out "$runs/sampler.json" ;;
+    k) run 200 kernels python3 experiments/probes/gpu_step_kernels.py --out "$runs/gpu-kernels.json"
        run 300 gpu-profile python3 -m mvllm.cli profile --lengths 516,1024 --repeats 5 --steps 16 --no-accuracy \
            --model synthetic:qwen2.5-0.5b --backends gpu=cuda/max_active=16,gpu-plain=cuda/max_active=16/overlap=off \
            --baseline transformers \

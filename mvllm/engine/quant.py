@@ -38,7 +38,7 @@ from mvllm.model.decoder import Decoder
 
 PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
 # ... and up to this many where the weights are in the kernel's lanes layout. A step's linears on the H200
-# machine's Xeon against the bf16 GEMM (experiments/cpu_int8_speed.py --gemm, one call, commit 6c36caf): 16 rows
+# machine's Xeon against the bf16 GEMM (experiments/probes/cpu_int8_speed.py --gemm, one call, commit 6c36caf): 16 rows
 # took 0.61-0.83x its time at 8 threads and 0.36-0.76x at 16; 20 rows 0.97-1.18x at 8. On the AVX2 machine
 # (float32 GEMM): 0.82x at 32 rows, 1.0x at 64.
 LANES_MAX_ROWS = 16

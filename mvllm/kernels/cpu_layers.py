@@ -11,7 +11,7 @@ layer that trims its rows (out_rows: a prefill's last row past the KV write) doe
 batches of at most `max_rows` tokens, the smallest `kernel_rows` of the model's int8 linears (above it an
 Int8Linear takes its GEMM, in Python). Built on first use and cached like the other kernels;
 `available()` never raises, and without the build the Python loop runs. ENABLED = False forces the Python
-loop (for same-run comparisons: experiments/cpu_step_ops.py --python-loop).
+loop (for same-run comparisons: experiments/probes/cpu_step_ops.py --python-loop).
 """
 
 from __future__ import annotations

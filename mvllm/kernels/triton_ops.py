@@ -131,7 +131,7 @@ def _triton_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
 def config(rows: int, n: int, k: int) -> dict:
     """Block sizes and the split of K for [rows, k] x [k, n]: a column block of 32 per program,
     and K split in shares of at least 192 where it is over 1,024 (at most 8), so a large weight is streamed
-    by a few hundred programs. Measured on the H200 at 4 rows (experiments/small_linear_speed.py)."""
+    by a few hundred programs. Measured on the H200 at 4 rows (experiments/probes/small_linear_speed.py)."""
     split = 1 if k <= 1024 else min(8, 1 << ((k // 192).bit_length() - 1))
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
 

@@ -1,6 +1,6 @@
 #pragma once
 
-// The spin barrier the C++ layer loop's team of threads meets at (layers.cpp); experiments/team_probe.cpp times it
+// The spin barrier the C++ layer loop's team of threads meets at (layers.cpp); experiments/probes/team_probe.cpp times it
 // outside torch, so it includes nothing of torch's.
 
 #include <atomic>

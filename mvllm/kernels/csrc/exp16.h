@@ -1,7 +1,7 @@
 #pragma once
 
 // The fused CPU kernels' 16-lane exp (fused_kernels.h: softmax, SiLU, attention), shared with
-// experiments/amx_attention_probe.cpp; it includes nothing of torch's.
+// experiments/probes/amx_attention_probe.cpp; it includes nothing of torch's.
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

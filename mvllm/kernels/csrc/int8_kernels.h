@@ -319,7 +319,7 @@ inline int32_t pair(const int16_t* x) {
   return v;
 }
 
-// Knobs for same-run experiments (experiments/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024), AVX-512
+// Knobs for same-run experiments (experiments/probes/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024), AVX-512
 // only, each read once: MVLLM_INT8_TILES, the tiles of one thread's range streamed at once at 1-2 rows (1, 2 or
 // 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 4096: eight groups
 // of a tile; 0: none; also knob("prefetch", n) in a running process; on the Xeon, same process, 4096 took decode
@@ -955,7 +955,7 @@ struct Avx512 {
 };
 #endif
 
-// Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/cpu_int8_speed.py --paths):
+// Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/probes/cpu_int8_speed.py --paths):
 // "lanes8" (the lanes8 layout: int8 activations per group, AVX-512 VNNI), "lanes" (the lanes layout, int16
 // activations; Int8Linear packs its weights for the path's layout at load, asking layout()), "int16" (int16
 // activations, one weight row at a time, wherever the group is a multiple of kStep), "float" (float32

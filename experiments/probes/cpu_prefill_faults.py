@@ -2,7 +2,7 @@
 during it (getrusage), so that MVLLM_KEEP_FREED=0 and 1 (machine.keep_freed_memory) compare in separate
 processes of one call. The first two steps are warm-up; the median and the fault counts of the other five print.
 
-    MVLLM_KEEP_FREED=0 python experiments/cpu_prefill_faults.py 8; MVLLM_KEEP_FREED=1 python experiments/cpu_prefill_faults.py 8
+    MVLLM_KEEP_FREED=0 python experiments/probes/cpu_prefill_faults.py 8; MVLLM_KEEP_FREED=1 python experiments/probes/cpu_prefill_faults.py 8
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 // alone and interleaved a group at a time: T the 16 rows' tile products and their stores, F those rows' float steps,
 // V the 4 rows' vpdpbusd and float steps. If TV takes about max(T, V) rather than T + V, the tile unit and the
 // vector units work at once, and interleaving the VNNI rows into the AMX pass would pay. Build and run (AMX, Linux):
-//   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/amx_overlap experiments/amx_overlap.cpp && /tmp/amx_overlap 1 8 16
+//   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/amx_overlap experiments/probes/amx_overlap.cpp && /tmp/amx_overlap 1 8 16
 #include "../mvllm/kernels/csrc/amx_tiles.h"
 
 #include <immintrin.h>

@@ -7,7 +7,7 @@ torch's wrapper), and the same empty region run by persistent spinning threads t
 and a join; a layer run in one region, its threads meeting at barriers between ops as ggml's do, pays one barrier
 a sync point).
 
-    python experiments/omp_overhead.py [--threads 8,16] [--gaps 0,5,20,100,1000] [--out FILE]
+    python experiments/probes/omp_overhead.py [--threads 8,16] [--gaps 0,5,20,100,1000] [--out FILE]
 
 Run it under OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT=... to see the OpenMP runtime's waiting policy.
 """

@@ -9,7 +9,7 @@
 //   team+prefetch   as team, but the threads waiting out the gap prefetch (into L2) the start of their slice of
 //          the next linear, checking between cache lines whether the gap is over (the memory works through the gap)
 // Prints each layout's median step in ms and the weights' rate, beside a plain read of the same bytes (no gaps).
-//   g++ -O3 -march=native -fopenmp -o /tmp/team_probe experiments/team_probe.cpp
+//   g++ -O3 -march=native -fopenmp -o /tmp/team_probe experiments/probes/team_probe.cpp
 //   /tmp/team_probe THREADS GAPS_US STEPS           e.g. /tmp/team_probe 8,16 0,20 30
 #include "../mvllm/kernels/csrc/barrier.h"
 

@@ -2,7 +2,7 @@
 // outputs over K inputs in groups of 32, per-group int32 sums finished in float), and variants of it, timed on
 // each thread's own data at 1..T threads. Each variant's y is checked against the current kernel's, bit for bit,
 // where it computes the same thing. Build and run (a CPU with AMX, Linux):
-//   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/amx_probe experiments/amx_probe.cpp && /tmp/amx_probe 1 8 16
+//   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/amx_probe experiments/probes/amx_probe.cpp && /tmp/amx_probe 1 8 16
 #include "../mvllm/kernels/csrc/amx_tiles.h"
 
 #include <immintrin.h>

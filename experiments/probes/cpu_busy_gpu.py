@@ -3,7 +3,7 @@ graphs from the CPU. GPU decode step times at batch 1, 4 and 16 with the CPU bac
 (a separate process decoding batches of 4 with 8 threads, as paper-48's CPU backend runs), then idle again,
 in one run.
 
-    python3 experiments/cpu_busy_gpu.py [--threads 8] [--model synthetic:qwen2.5-0.5b] [--out FILE]
+    python3 experiments/probes/cpu_busy_gpu.py [--threads 8] [--model synthetic:qwen2.5-0.5b] [--out FILE]
 """
 
 import argparse

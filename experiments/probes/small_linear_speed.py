@@ -7,7 +7,7 @@ cache, as in a real step), for
 - `cublas`: F.linear alone,
 - `kernel`: linear's Triton kernel with its default blocks and split, and (at 4 rows) each candidate,
   each checked against the reference after its graph replays (the split-K sum under real concurrency).
-    python3 experiments/small_linear_speed.py --out results/small-linear.json
+    python3 experiments/probes/small_linear_speed.py --out results/small-linear.json
 (The earlier version of this experiment, a kernel that also fused the norms and the SiLU into QKV and gate/up
 and lost to cuBLAS there, is in commit 3451b21.)
 """

@@ -3,9 +3,9 @@ paged_attention at the profile's cells (Qwen2.5-0.5B's 24 layers, each its own c
 of 64), alternating the settings --rounds times, each setting's best median, and the error against the torch
 reference. --settings items=4,items=1 compares other settings of cpu_fused.attention_knob instead (each against
 the first; "lanes=0:items=1" sets two). The 8-wide lanes of AVX2 and NEON on an AVX-512 machine:
-`python experiments/march.py haswell experiments/cpu_attention_speed.py ...`.
+`python experiments/probes/march.py haswell experiments/probes/cpu_attention_speed.py ...`.
 
-    python experiments/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2] [--cells warm,decode] [--hot]
+    python experiments/probes/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2] [--cells warm,decode] [--hot]
         [--out FILE]
 
 Cells: warm prefill (20 new after 496 cached), cold prefill of 516, four warm prefills at once, decode at 516

@@ -6,7 +6,7 @@
 // 1 thread and on T threads each on its own copy, a phase split, and the largest error against a double-precision
 // reference. The engine's float32 attention of the same cell: cpu_attention_speed.py --threads 1 --cells "warm 20"
 // (24 layers x 2 kv heads a step). Build and run (AMX, Linux):
-//   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/aap experiments/amx_attention_probe.cpp && /tmp/aap 8
+//   g++ -O3 -march=sapphirerapids -fopenmp -o /tmp/aap experiments/probes/amx_attention_probe.cpp && /tmp/aap 8
 // (`/tmp/aap plain 8`: bf16 alone, one product, the lo halves zero and not loaded.)
 #include "../mvllm/kernels/csrc/amx_tiles.h"
 #include "../mvllm/kernels/csrc/exp16.h"

@@ -6,7 +6,7 @@ first; a path named twice (lanes,float4,lanes) alternates them. Knobs follow the
 MVLLM_INT8_AHEAD=2, lanes:tiles=2:prefetch=512 sets MVLLM_INT8_TILES=2 and MVLLM_INT8_PREFETCH=512; a key that starts
 with OMP_ or GOMP_ is set as it is (lanes:OMP_PROC_BIND=spread:OMP_PLACES=cores pins the OpenMP threads).
 
-    python experiments/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
+    python experiments/probes/cpu_int8_speed.py [--model synthetic:qwen2.5-0.5b] [--rows 1,4] [--threads N]
         [--paths lanes,float4,int16] [--gemm] [--memory plain,huge] [--knobs chunks=0,chunks=8] [--layers 1]
         [--shapes] [--out FILE]
 

@@ -1,8 +1,8 @@
 """Inductor's max-autotune (Triton GEMM templates against cuBLAS, chosen by timing) on the four decode GEMMs of
-Qwen2.5-0.5B at 4 rows, each then timed as experiments/small_linear_speed.py times them: in a CUDA graph over one
+Qwen2.5-0.5B at 4 rows, each then timed as experiments/probes/small_linear_speed.py times them: in a CUDA graph over one
 weight copy per layer, so the weights come from memory and not the L2 cache (autotune's own timing reuses one
 weight, which is how it picked a slower kernel for the down projection).
-    python3 experiments/gemm_autotune.py
+    python3 experiments/probes/gemm_autotune.py
 """
 
 import sys

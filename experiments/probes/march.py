@@ -3,8 +3,8 @@ instead of -march=native), in this process: on an AVX-512 machine, `haswell` giv
 int8 kernel's int16 lanes, 8-wide attention lanes and silu), the nearest this machine comes to an M2's NEON build.
 The kernels are cached apart by their flags.
 
-    python experiments/march.py haswell profile --model smollm2-135m --backends f32=cpu/dtype=float32/quant=none,int8w=cpu/quant=int8w
-    python experiments/march.py haswell experiments/cpu_attention_speed.py --threads 2
+    python experiments/probes/march.py haswell profile --model smollm2-135m --backends f32=cpu/dtype=float32/quant=none,int8w=cpu/quant=int8w
+    python experiments/probes/march.py haswell experiments/probes/cpu_attention_speed.py --threads 2
 """
 
 from __future__ import annotations

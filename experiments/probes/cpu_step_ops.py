@@ -4,7 +4,7 @@ sum, and the step's wall time; what is left is Python and dispatch between the o
 instead the cold prefill of a fresh prompt of --context tokens (distinct tokens each time: no prefix hits).
 --warm: each step is the prefill of 20 fresh tokens after a cached prefix of 496 (the profile's warm prefill).
 
-    python experiments/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
+    python experiments/probes/cpu_step_ops.py [--threads 8] [--batch 1] [--context 516] [--steps 16] [--quant int8w]
         [--python-loop] [--prefill | --warm] [--batch-invariant] [--split]
         [--knobs chunks=8,chunks=4 [--rounds 4]]
 

@@ -2,7 +2,7 @@
 machine's layout) at a few row counts, the groups alternated --rounds times, each one's median call and the ratio to
 the first group's. Weights of --copies copies a shape cycled through, so they come from memory as in a step.
 
-    python experiments/group_speed.py [--model synthetic:qwen2.5-0.5b] [--threads 8] [--rows 1,20] [--groups 32,64]
+    python experiments/probes/group_speed.py [--model synthetic:qwen2.5-0.5b] [--threads 8] [--rows 1,20] [--groups 32,64]
         [--rounds 5] [--copies 24] [--out FILE]
 """
 

@@ -1,6 +1,6 @@
 """Where a compiled GPU decode step's graph spends its time: every kernel of one replay, by name.
 
-    python3 experiments/gpu_step_kernels.py [MODEL] [--batches 1,4,16] [--out FILE.json]
+    python3 experiments/probes/gpu_step_kernels.py [MODEL] [--batches 1,4,16] [--out FILE.json]
 
 Runs decode at each batch size to a steady state (context ~580), then profiles 20 replays of that step's
 CUDA graph with torch.profiler (CUPTI sees the kernels inside a graph) and prints, per kernel name, how many

@@ -4,7 +4,7 @@ tokens, a fresh prefill through the engine's ModelRunner with rows=[last] (the s
 path `mvllm profile`'s accuracy measures), both against the float32 reference's logits at that position (mean KL,
 top-1, profile.accuracy.compare), and the two against each other.
 
-    python experiments/last_row_accuracy.py [--model smollm2-135m] [--quant int8w] [--every 24] [--out FILE]
+    python experiments/probes/last_row_accuracy.py [--model smollm2-135m] [--quant int8w] [--every 24] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
               "trimmed_vs_float32": compare(reference, trimmed), "full_vs_float32": compare(reference, full),
               "trimmed_vs_full": compare(full, trimmed), "bitwise_equal_rows": int((trimmed == full).all(-1).sum()),
               "environment": environment(a.model),
-              "command": "python experiments/last_row_accuracy.py" + (f" --quant {a.quant}" if a.quant != "int8w" else "")}
+              "command": "python experiments/probes/last_row_accuracy.py" + (f" --quant {a.quant}" if a.quant != "int8w" else "")}
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1))
     if a.out:
         with open(a.out, "w") as f:

@@ -3,7 +3,7 @@ backend of issue 11, committed before those experiments are run on it. Added bef
 before any of them): `makespan` and gpu-serial's split:K oracle, sweep-rate at the new GPU's capacity (12, 18
 and 24 req/s for 30 s) and sweep-hit-rate; the first prediction's numbers are unchanged.
 
-    .venv/bin/python experiments/predict_compiled_gpu.py
+    .venv/bin/python experiments/probes/predict_compiled_gpu.py
 
 The profile it predicts from is composed of two H200 measurements of different sessions:
 - gpu: results/profile/h200-gpu-compiled.json (the compiled GPU backend, profiled up to 16 active;
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mvllm.bench.experiment import load  # noqa: E402
@@ -41,7 +41,7 @@ def profile() -> dict:
 
 def main() -> None:
     data = profile()
-    out = {"command": ".venv/bin/python experiments/predict_compiled_gpu.py",
+    out = {"command": ".venv/bin/python experiments/probes/predict_compiled_gpu.py",
            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True).stdout.strip(),
            "profile": {"gpu": "results/profile/h200-gpu-compiled.json", "cpu": "results/paper-48/profile.json",

@@ -1,6 +1,6 @@
 """The batched sampler against the per-row one it replaced, in the same run.
 
-    .venv/bin/python experiments/sampler_speed.py [--out results/profile/dev2core-sampler.json]
+    .venv/bin/python experiments/probes/sampler_speed.py [--out results/profile/dev2core-sampler.json]
 
 Times `mvllm.engine.sampler.sample` and `before` (the sampler as it was at commit 0c406b7: a loop over the
 batch, one softmax, one sort for top-p and one `torch.multinomial` with a host sync per non-greedy row),
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mvllm.engine import model_runner  # noqa: E402
@@ -119,7 +119,7 @@ def main() -> None:
             steps[key] = engine_steps(engine, fn, top_p)
             print(f"SmolLM2 engine step, batch 4, temperature 1, top-p {top_p}, sampler {label}: "
                   f"{steps[key]:.2f} ms")
-    out = {"command": "python experiments/sampler_speed.py" + (f" --out {args.out}" if args.out else ""),
+    out = {"command": "python experiments/probes/sampler_speed.py" + (f" --out {args.out}" if args.out else ""),
            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True).stdout.strip(),
            "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, "

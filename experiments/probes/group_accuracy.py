@@ -7,11 +7,11 @@ row's scale adds to the output. This runs those steps with torch (the integer su
 model's on the profile's evaluation text (mvllm.profile.accuracy: teacher-forced, mean KL and top-1), at each
 group size asked for. Where this machine has no AVX-512, it is how lanes8's accuracy is measured here.
 
-    python experiments/group_accuracy.py [--model smollm2-135m] [--groups 32,64] [--out FILE]
+    python experiments/probes/group_accuracy.py [--model smollm2-135m] [--groups 32,64] [--out FILE]
 
 A setting may give some linears (by their name in the model) a group of their own: --groups 32,32:gate_up_proj=64 is
 groups of 32 everywhere, then the same with the MLP's gate and up projection at 64. `attn=bf16` in a setting also
-runs the attention as an AMX bf16 kernel would (experiments/amx_attention_probe.cpp with one product): queries and
+runs the attention as an AMX bf16 kernel would (experiments/probes/amx_attention_probe.cpp with one product): queries and
 keys rounded to bf16 for the scores, exp(s - max) in float32, its bf16 rounding times values rounded to bf16, summed
 in float32 and divided by the float32 sum; every row of the one forward so, an upper bound on a kernel that keeps
 a prefill's newest row in float32.
@@ -108,7 +108,7 @@ def main() -> None:
     cpu = torch.device("cpu")
     out = {"model": a.model, "tokens": len(ref.ids), "what": "lanes8's numbers emulated in torch, teacher-forced "
            "over mvllm/data/eval.txt in one forward, against float32; a linear whose inputs are not a multiple of the "
-           "group stays float32", "command": f"python experiments/group_accuracy.py --groups {a.groups}",
+           "group stays float32", "command": f"python experiments/probes/group_accuracy.py --groups {a.groups}",
            "environment": environment(a.model), "groups": {}}
     for setting, (group, by_name, attn) in settings.items():
         model = build_model(source, cpu, torch.float32)

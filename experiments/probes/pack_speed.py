@@ -1,7 +1,7 @@
 """The host's packing of a GPU step's input (GraphRunner.pack) against the way it was done before (numpy slices
 for every sequence, up to 8f62774), on this machine, in the same run. A decode row costs the host a few
 microseconds per numpy call, and in the default loop the GPU waits for it.
-    python3 experiments/pack_speed.py
+    python3 experiments/probes/pack_speed.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 // FMA-bound loop at once; a pair whose threads each get well under one thread's rate alone shares the core's FMA
 // units (hyperthread siblings the guest is not told about: lscpu may say one thread a core). Then N threads (8 by
 // default) on a few CPU sets, and unpinned, for the rate a compute-bound team gets. Build and run (Linux, AVX-512):
-//   g++ -O2 -march=native -pthread -o /tmp/sibling_probe experiments/sibling_probe.cpp && /tmp/sibling_probe 8
+//   g++ -O2 -march=native -pthread -o /tmp/sibling_probe experiments/probes/sibling_probe.cpp && /tmp/sibling_probe 8
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
