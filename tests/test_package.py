@@ -41,6 +41,7 @@ needs_compiler = pytest.mark.skipif(shutil.which(shlex.split(build.cxx())[0]) is
 # Declared without mvllm importing them, each for a reason
 NOT_IMPORTED = {
     "gguf": "transformers' GGUF loader imports it: the default model is a .gguf",
+    "accelerate": "transformers refuses to load a GGUF file without it (the default model)",
     "httptools": "uvicorn's http='auto' serves with it where it is installed",
 }
 # Imported by mvllm without being declared, each for a reason
