@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from mvllm.bench.experiment import ExperimentError, Workload
+from mvllm.bench.idprompt import Trie
 from mvllm.bench.request import Built, Request, arrivals, context_of, fit, token_range
+from mvllm.engine.block_manager import BLOCK_SIZE
 
 
 def _lines(path_text: str, kind: str):
@@ -61,7 +63,9 @@ def block_tokens(ids: np.ndarray, size: int, vocab: int, seed: int) -> np.ndarra
     return (lo + x % np.uint64(hi - lo)).astype(np.int64)
 
 
-def mooncake(w: Workload, vocab: int, model: str | None = None) -> Built:
+def mooncake(w: Workload, vocab: int, model: str | None = None, tokens: bool = True) -> Built:
+    """`tokens` False: prompts left as their hash ids (bench/idprompt.py) where each block holds whole engine
+    blocks (the simulator's prefix cache is keyed on them); else made."""
     block = max(1, round(w.block_tokens / w.scale))
     end = w.start + w.duration if w.duration is not None else math.inf
     rows, dropped, clipped, path = [], 0, 0, Path(w.path)
@@ -93,14 +97,16 @@ def mooncake(w: Workload, vocab: int, model: str | None = None) -> Built:
             continue
         clipped += keep < n_in
         rows.append(((t - w.start) / w.speedup, keep, n_out, ids[:-(-keep // block)]))
-    unique = np.array(sorted({h for r in rows for h in r[3]}), dtype=np.int64)
-    table = block_tokens(unique, block, vocab, w.seed) if len(unique) else np.zeros((0, block), np.int64)
-    index = {int(h): i for i, h in enumerate(unique)}
     times = [r[0] for r in rows] if w.arrival == "trace" else arrivals(w, len(rows))
-    reqs = []
-    for i, ((_, n_in, n_out, ids), t) in enumerate(zip(rows, times, strict=True)):
-        prompt = table[[index[h] for h in ids]].reshape(-1)[:n_in].tolist()
-        reqs.append(Request(i, prompt, n_out, t))
+    if not tokens and block % BLOCK_SIZE == 0:
+        trie = Trie(block)
+        prompts = [trie.prompt(ids, n_in) for _, n_in, _, ids in rows]
+    else:
+        unique = np.array(sorted({h for r in rows for h in r[3]}), dtype=np.int64)
+        table = block_tokens(unique, block, vocab, w.seed) if len(unique) else np.zeros((0, block), np.int64)
+        index = {int(h): i for i, h in enumerate(unique)}
+        prompts = [table[[index[h] for h in ids]].reshape(-1)[:n_in].tolist() for _, n_in, _, ids in rows]
+    reqs = [Request(i, prompt, r[2], t) for i, (r, prompt, t) in enumerate(zip(rows, prompts, times, strict=True))]
     selection = {"source": str(path), "block_tokens_scaled": block, "window_s": [w.start, None if end == math.inf
                                                                                    else end]}
     if dropped or clipped:

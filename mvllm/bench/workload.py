@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mvllm.bench import generators, traces
 from mvllm.bench.experiment import ExperimentError, Workload
+from mvllm.bench.idprompt import IdPrompt
 from mvllm.bench.request import (  # noqa: F401
     Built,
     Request,
@@ -25,11 +26,15 @@ def build(w: Workload, vocab: int, model: str | None = None) -> tuple[list[int],
     return b.prefix, b.requests
 
 
-def build_all(w: Workload, vocab: int, model: str | None = None) -> Built:
-    """The workload of `w`'s kind. `model` gives the context that prompts must fit (and custom's tokenizer)."""
-    make = {"prefix": generators.prefix, "random": generators.random_lengths,
-            "shared-prefix": generators.shared_prefix, "trace": traces.mooncake, "custom": traces.custom}[w.kind]
-    built = make(w, vocab, model)
+def build_all(w: Workload, vocab: int, model: str | None = None, tokens: bool = True) -> Built:
+    """The workload of `w`'s kind. `model` gives the context that prompts must fit (and custom's tokenizer).
+    `tokens` False (the simulator's): a trace's prompts may be left as their hash ids (bench/idprompt.py)."""
+    if w.kind == "trace":
+        built = traces.mooncake(w, vocab, model, tokens)
+    else:
+        make = {"prefix": generators.prefix, "random": generators.random_lengths,
+                "shared-prefix": generators.shared_prefix, "custom": traces.custom}[w.kind]
+        built = make(w, vocab, model)
     clipped = 0
     for r in built.requests:
         r.max_tokens = w.max_tokens if w.hidden else -1
@@ -62,6 +67,7 @@ def describe(built: Built, vocab: int, w: Workload) -> dict:
     firsts = [r.arrival for r in reqs if r.parent is None]
     span = max(firsts) - min(firsts) if firsts else 0.0
     seen: set[int] = set()
+    nodes: dict[int, int] = {}  # a trace's prompts left as hash ids count by their trie's nodes
     reused = total = 0
     full: dict[int, list[int]] = {}
     ids = {r.id: r for r in reqs}
@@ -70,6 +76,9 @@ def describe(built: Built, vocab: int, w: Workload) -> dict:
         prompt = full[r.id] = full_prompt(r, full.get(p), None if p is None else
                                           reply_tokens(p, ids[p].output_tokens, vocab))
         total += len(prompt)
+        if isinstance(prompt, IdPrompt):
+            reused += prompt.seen(nodes) * BLOCK_SIZE
+            continue
         hashes = list(block_hashes(prompt))
         if p is None:  # the simulator's memo (a follow-up turn's it makes itself, over its stand-in reply)
             r.hashes = hashes

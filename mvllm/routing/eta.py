@@ -20,7 +20,7 @@ which measurement of the profile entry:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
 
 
 @dataclass(slots=True)
@@ -131,8 +131,7 @@ def replay(timing: Timing, work: Work, new: tuple[int, int] | None, until_all: b
     marks, t = list(running), 0.0
     for n in admitting:
         t += prefill_s(n)
-    queue = list(waiting)
-    if not queue and len(marks) + (new is not None) <= top:  # all of it runs at once: ends in order
+    if not waiting and len(marks) + (new is not None) <= top:  # all of it runs at once: ends in order
         if new is None:
             return _walk(sorted(marks), steps, t) if marks else 0.0
         t += prefill_s(new[0])
@@ -141,21 +140,34 @@ def replay(timing: Timing, work: Work, new: tuple[int, int] | None, until_all: b
             return _walk(sorted(marks), steps, t)
         marks.sort()
         return _walk(marks, steps, t, last=new[1], n=len(marks) + 1)
-    if new is not None:
-        queue.append(new)
     # the queue is admitted FCFS, a request each time a slot frees: until it is empty the batch is full
     heapify(marks)
     done, mine, full = 0, None, steps[top - 1]  # done: decode steps run; mine: the step at which the new one ends
-    for i, (prefill, decode) in enumerate(queue):
+    queue = iter(waiting)  # (the loop that `new` ends below, unrolled: this one runs the long queues)
+    for prefill, decode in queue:
         while len(marks) >= top:
             end = heappop(marks)
             t += (end - done) * full
             done = end
         t += prefill_s(prefill)
-        if new is not None and i == len(queue) - 1:
-            mine = done + decode
-        else:
-            heappush(marks, done + decode)
+        heappush(marks, done + decode)
+        if len(marks) == top:
+            break
+    memo = timing.memo
+    for prefill, decode in queue:  # the batch stays full: each one starts as the first of it ends
+        end = marks[0]
+        t += (end - done) * full
+        done = end
+        got = memo.get(prefill)
+        t += got if got is not None else prefill_s(prefill)
+        heapreplace(marks, done + decode)
+    if new is not None:
+        while len(marks) >= top:
+            end = heappop(marks)
+            t += (end - done) * full
+            done = end
+        t += prefill_s(new[0])
+        mine = done + new[1]
     if mine is None or until_all:
         if mine is not None:
             heappush(marks, mine)

@@ -87,9 +87,14 @@ class Router:
     def work(self, backend: str, booked: list[Booking]) -> Work:
         """The bookings as eta's replay takes them, by the policy's lengths."""
         k = self.scale(backend)
-        running = [x.left * k for x in booked if x.active]
-        queue = [(x.pending_prefill, x.left * k) for x in booked if not x.active]
-        return running, [x.pending_prefill for x in booked if x.active and not x.generated], queue
+        active = [x for x in booked if x.active]
+        if self.policy.lengths != "ratio":  # k is 1: the same lists, without a multiplication each
+            running = [x.left for x in active]
+            queue = [(x.prompt_tokens - x.estimated_cached, x.left) for x in booked if not x.active]
+        else:
+            running = [x.left * k for x in active]
+            queue = [(x.prompt_tokens - x.estimated_cached, x.left * k) for x in booked if not x.active]
+        return running, [x.pending_prefill for x in active if not x.generated], queue
 
     def reestimate(self) -> None:
         """Every booking's expected length again, from the estimate's last fit (once per fit: the bookings made
@@ -198,15 +203,19 @@ class Router:
         booking = self.bookings[backend].get(request_id)
         if booking:
             booking.active = True
-            booking.generated += count
-            if self.policy.lengths != "estimate" or booking.generated % REFRESH < count:
+            booking.generated = done = booking.generated + count
+            if self.policy.lengths != "estimate" or done % REFRESH < count:
                 booking.left = self.expect(backend, booking)
-            else:  # counts down to the next look-up, within the cap
-                booking.left = min(max(booking.left - count, 1), max(booking.max_tokens - booking.generated, 0))
+            else:  # counts down to the next look-up, within the cap: min(max(left, 1), max(room, 0))
+                left, room = booking.left - count, booking.max_tokens - done
+                if left < 1:
+                    left = 1
+                booking.left = left if left <= room else max(room, 0)
 
     def on_step(self, backend: str) -> None:
-        """The backend ran a decode step (new-token-ratio's ratio decays by steps)."""
-        self.ratios[backend].step()
+        """The backend ran a decode step (new-token-ratio's ratio decays by steps; no other policy reads it)."""
+        if self.policy.lengths == "ratio":
+            self.ratios[backend].step()
 
     def on_preempted(self, backend: str) -> None:
         """The backend preempted a request (SGLang's retraction): new-token-ratio resets to what is used."""

@@ -75,9 +75,9 @@ class Backend:
         and the step after it is scheduled now, without the requests this one ends at their limit."""
         if self.planned:
             self.running, prefill = self.planned, self.planned_prefill
+            self.planned, self.planned_prefill = [], 0.0
         else:
             prefill = self.schedule(router, self.running, 0)
-        self.planned, self.planned_prefill = [], 0.0
         if self.timing.overlap:
             self.planned = [job for job in self.running if not job.done and job.generated + 1 < job.limit]
             self.planned_prefill = self.schedule(router, self.planned, 1)
@@ -87,15 +87,17 @@ class Backend:
     def schedule(self, router: Router, into: list, ahead: int) -> float:
         """The engine's schedule(): room for the next token of each request in `into` (`ahead`: tokens in
         flight), then admissions; returns their prefill's extra seconds."""
-        if self.kv.bounded:
-            before = self.preemptions
-            for job in [j for j in into if j.generated + ahead > j.room]:
-                while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
-                    self.preempt(into[-1], into, ahead)
-                job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
-            if self.preemptions > before:
-                router.on_preempted(self.name)
-        return self.admit(router, into)
+        if self.kv.num_blocks is not None:
+            grow = [j for j in into if j.generated + ahead > j.room]
+            if grow:
+                before = self.preemptions
+                for job in grow:
+                    while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
+                        self.preempt(into[-1], into, ahead)
+                    job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
+                if self.preemptions > before:
+                    router.on_preempted(self.name)
+        return self.admit(router, into) if self.waiting and len(into) < self.timing.max_active else 0.0
 
     def preempt(self, job: Job, into: list, ahead: int) -> None:
         into.remove(job)
@@ -137,7 +139,7 @@ class Backend:
 
     def end_step(self, now: float, router: Router) -> list[Job]:
         """The step's tokens land; returns the requests it ended."""
-        finished, keep, planned, name = [], [], self.planned, self.name
+        finished, keep, planned, name, on_tokens = [], [], self.planned, self.name, router.on_tokens
         for job in self.running:
             if job.done:
                 continue  # overlap: scheduled before its last token landed
@@ -149,7 +151,7 @@ class Backend:
                 rec.first_token, rec.cached_tokens = now, job.cached
             job.generated += 1
             rec.chunks.append(now)
-            router.on_tokens(name, job.rid, 1)
+            on_tokens(name, job.rid, 1)
             if job.generated >= job.max_tokens:
                 rec.finish, rec.output_tokens = now, job.generated
                 rec.finish_reason = "length" if job.generated >= job.limit else "stop"

@@ -5,7 +5,8 @@ A block is referenced (pinned by the running requests that hold it), free and cl
 the cached blocks are kept (`refs`: hash -> the running requests that hold that block), and a request's
 block table is a list of hashes (None for a block not published: a partial block, or one whose hash
 another block holds already). `num_blocks` None is a pool without bound (a profile without kv_blocks):
-nothing is evicted and every allocation fits.
+nothing is evicted and every allocation fits. A trace's prompt left as its hash ids has keys in place of the
+hashes (bench/idprompt.py: equal exactly where the hashes are), so the same blocks hit and are evicted.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from pathlib import Path
 from mvllm.backends.spec import BackendSpec, default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
+from mvllm.bench.idprompt import IdPrompt
 from mvllm.bench.metrics import RequestRecord, summarize
 from mvllm.bench.results import read_aggregate
 from mvllm.engine.block_manager import BLOCK_SIZE
@@ -72,7 +73,10 @@ def context_len(model: str, blocks: dict[str, int | None]) -> int:
 
 def prompt_hashes(req: wl.Request, prompt: list[int], before: list[int]) -> list[int]:
     """The hash chain over the full blocks of a request's whole prompt, memoized in `req.hashes`; `before`: the
-    chain of its parent's prompt and reply, whose tokens begin it (a first turn: none)."""
+    chain of its parent's prompt and reply, whose tokens begin it (a first turn: none). A trace's prompt left as
+    its hash ids (bench/idprompt.py) has its blocks' keys instead, made again each time (they are cheap)."""
+    if isinstance(prompt, IdPrompt):
+        return prompt.keys()
     if len(req.hashes) != len(prompt) // BLOCK_SIZE:
         req.hashes = before + chain(prompt, len(before), before[-1] if before else None)
     return req.hashes
@@ -102,7 +106,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
                 for name, t in timings(rates, [s.name for s in specs]).items()}
     router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates,
                     lengths=lengths)
-    built = built or wl.build_all(exp.workload, vocab, exp.model)
+    built = built or wl.build_all(exp.workload, vocab, exp.model, tokens=False)
     if exp.workload.warm and built.prefix:
         hashes, n = chain(built.prefix), len(built.prefix)
         for b in backends.values():
@@ -196,9 +200,16 @@ def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Rou
             for job in backend.end_step(now, router):
                 if turns:
                     follow(job.record.id, now)
-        if not backend.busy and backend.has_work:
+        while not backend.busy and backend.has_work:
             seq += 1
-            heapq.heappush(events, (now + backend.start_step(router), seq, "step", backend))
+            end = now + backend.start_step(router)
+            if (events and events[0][0] <= end) or (k < len(firsts) and firsts[k][0] <= end):
+                heapq.heappush(events, (end, seq, "step", backend))
+                break
+            now = end  # nothing comes before the step's end: it ends here, not through the heap
+            for job in backend.end_step(now, router):
+                if turns:
+                    follow(job.record.id, now)
     return records
 
 
@@ -260,7 +271,8 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
     rows = []
     for value, point in exp.points():
         vocab = wl.vocab_of(point.model, point.workload)
-        built = built if built is not None and exp.sweep is None else wl.build_all(point.workload, vocab, point.model)
+        if built is None or exp.sweep is not None:
+            built = wl.build_all(point.workload, vocab, point.model, tokens=False)
         warm = seen(built.requests) if warm_lengths else None
         for policy in policies:
             summary = run_one(point, policy, profile, vocab, believed=believed, built=built, lengths=warm)
