@@ -82,7 +82,7 @@ def capacity_main() -> int:
                 name = text.replace("ttft:", "ttft").replace(" tpot:", "-tpot")
                 draw(found, f"reference M2 (f = 0.8), simulated: 99% within {text} ms",
                      Path(f"results/simulate/m2-capacity-{name}.png"))
-    Path("results/simulate/m2-capacity.json").write_text(json.dumps(out, indent=1) + "\n")
+    Path("results/simulate/m2-capacity.json").write_text(json.dumps(out, separators=(",", ":")) + "\n")
     return 0
 
 

@@ -39,7 +39,7 @@ KNOBS = [
     Knob("MVLLM_TEAM", "1", "1 runs a CPU step's layers in one team of threads, 0 a parallel region an op"),
     Knob("MVLLM_TEAM_LAST", "1", "1 runs the last layer, its rows trimmed, in the team too"),
     Knob("MVLLM_TEAM_EVEN", "75", "percent of a linear's output blocks the team splits evenly"),
-    Knob("MVLLM_TEAM_AHEAD", "1048576", "bytes of its next share a thread waiting at a barrier prefetches"),
+    Knob("MVLLM_TEAM_AHEAD", "1 MiB", "bytes of its next share a thread waiting at a barrier prefetches"),
     Knob("MVLLM_TEAM_AMX_BLOCKS", "6", "below this many output blocks a thread, an AMX linear halves its blocks"),
     Knob("MVLLM_ATTN_LANES", "2 (AVX-512), 1", "which attention rows take the lanes path: 0 none, 1 prefill, 2 all"),
     Knob("MVLLM_ATTN_ITEMS", "4", "work items a thread the keys of lanes pairs are cut into"),

@@ -177,3 +177,10 @@ def test_tests_import_nothing_from_experiments_by_path():
     for path in (ROOT / "tests").glob("*.py"):
         text = path.read_text()
         assert not re.search(r"sys\.path\.(insert|append)\([^)]*experiments", text), path.name
+
+
+def test_readme_and_docs_name_no_commits():
+    """README.md and docs/ say how things work now; commits and their history live in git and results/."""
+    found = [f"{path.name}:{n}" for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+             for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\b[0-9a-f]{7,40}\b", line)]
+    assert found == []
