@@ -17,6 +17,8 @@
 #                                    # (commit `mvllm simulate`'s prediction from x's profile first)
 #   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic (issue 26): the router alone,
 #                                    # then every policy on paper-48-hidden, shared-prefix, the trace, 3 backends
+#   RUNS=results/capacity bash experiments/h200.sh depth   # decode priced by context (issue 50): the profile with
+#                                    # depth rows, the trace window predicted from it, then measured (gpu-only, eta)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
@@ -53,7 +55,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -82,6 +84,12 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
        run 120 disconnect python3 experiments/disconnect_free.py --model synthetic:qwen2.5-0.5b --backends gpu=cuda \
            --out "$runs/disconnect.json" ;;
     y) bench 420 trace-conversation ;;
+    depth) [[ -f $profile ]] || run 330 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b \
+               --lengths 128,516,2048,8192 --repeats 3 --serving --steps 8 --contexts 0,1024,4096,8192 \
+               --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
+           run 120 predict python3 -m mvllm.cli simulate experiments/trace-conversation.toml --profile "$profile" \
+               --policy gpu-only,eta --out "$runs/predicted/trace-conversation"
+           pbench 330 trace-conversation trace-conversation 2 gpu-only,eta ;;
     z) bench 250 shared-prefix
        bench 200 paper-48-hidden ;;
     w) bench 200 shared-prefix-30 ;;

@@ -111,9 +111,11 @@ def profile(
                                                           "measure each one's serving overheads over HTTP, the "
                                                           "others busy (request_ms, step_ms: what eta and "
                                                           "`mvllm simulate` add to the profile's times)."),
-    contexts: str = typer.Option("", help="Also decode at these depths, e.g. 0,572: a prompt of DEPTH tokens, "
-                                          "then the timed steps, at batch 1 and 4 (rows that line up with "
-                                          "`llama-bench -d`); saved as each backend's \"contexts\"."),
+    contexts: str = typer.Option("0,1024,4096", help="Also decode at these depths (those the context holds): a "
+                                                     "prompt of DEPTH tokens, then the timed steps, at batch 1 "
+                                                     "and 4 (rows that line up with `llama-bench -d`); saved as "
+                                                     "each backend's \"contexts\", by which `mvllm simulate` "
+                                                     "prices decode. \"\" skips them."),
 ):
     """Measure each backend alone: cold and warm prefill, decode step time by batch size (each up to 64, then
     CUDA's graph sizes), the prefill_rate/decode_rate the router uses, and accuracy against float32, into one

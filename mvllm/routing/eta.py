@@ -9,7 +9,9 @@ its uncached prefill.
 This is the one timing model of a backend; `mvllm simulate` steps it through time. What it prices, and from
 which measurement of the profile entry:
 - a decode step at batch b: `decode[b].step_ms`, plus `serving.step_ms` (host work per step while serving:
-  the worker's events, the other backend's load on the host's cores);
+  the worker's events, the other backend's load on the host's cores); where the profile decoded at several
+  depths (`contexts`), the simulator adds `depth_s` for each token of context the running requests hold
+  beyond the decode table's (attention reads every cached token each step: `at_depth`);
 - the prefill of a request admitted into a step: the extra time over a decode step that `mixed` measures
   (a step admitting one prompt while max_active - 1 decode), else that the lone `prefill` steps measure (warm
   and cold, interpolated by uncached tokens), else uncached tokens / `prefill_rate` (a hand-written profile);
@@ -30,6 +32,8 @@ class Timing:
     prefill_points: list[tuple[int, float]] = field(default_factory=list)  # (uncached tokens, extra seconds)
     request_s: float = 0.0
     overlap: bool = False  # the profile's backend scheduled each step while the one before it ran
+    depth_s: float = 0.0  # seconds a step costs per token of context of each running request (0: not profiled)
+    depth_ref: float = 0.0  # the mean context at which the decode table (step_s) was measured
     memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -45,11 +49,17 @@ class Timing:
         serving = entry.get("serving") or {}
         host = float(serving.get("step_ms", 0.0)) / 1000
         return cls(float(entry["prefill_rate"]), [s + host for s in steps], prefill_points(entry, table),
-                   float(serving.get("request_ms", 0.0)) / 1000, bool(entry.get("overlap")))
+                   float(serving.get("request_ms", 0.0)) / 1000, bool(entry.get("overlap")), *depth_cost(entry))
 
     @property
     def max_active(self) -> int:
         return len(self.step_s)
+
+    def at_depth(self, batch: int, excess: float) -> float:
+        """A decode step's seconds with `batch` running requests whose contexts exceed the decode table's by
+        `excess` tokens in all (negative: fall short): the table's step plus depth_s a token, at least half it."""
+        step = self.step_s[batch - 1]
+        return max(step + self.depth_s * excess, step / 2)
 
     def priced(self, tokens: int) -> float:
         """prefill_s, remembered per token count: a replay prices the same prompt lengths again and again."""
@@ -80,6 +90,28 @@ def _beyond(p0: tuple[int, float], p1: tuple[int, float], tokens: int) -> float:
     b = max((s1 / n1 - s0 / n0) / (n1 - n0), 0.0)
     line = s1 + (s1 - s0) * (tokens - n1) / (n1 - n0)
     return max(s1 + (s1 / n1 - b * n1) * (tokens - n1) + b * (tokens * tokens - n1 * n1), line)
+
+
+def depth_cost(entry: dict) -> tuple[float, float]:
+    """(depth_s, depth_ref): the slope of the step time over the context the batch holds (batch x context),
+    fitted by least squares within each batch size of the profile's `contexts` rows and pooled (the rows measure
+    batch 1 and 4 at each depth), and the mean context of its decode rows. (0, 0) without both."""
+    ref = [d["context"] for d in entry.get("decode", []) if "context" in d]
+    rows: dict[int, list[tuple[float, float]]] = {}
+    for r in entry.get("contexts", []):
+        if "step_ms" in r:
+            rows.setdefault(r["batch"], []).append((r["batch"] * r["context"], r["step_ms"] / 1000))
+    num = den = 0.0
+    for pts in rows.values():
+        if len(pts) < 2:
+            continue
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        num += sum((x - mx) * (y - my) for x, y in pts)
+        den += sum((x - mx) ** 2 for x, _ in pts)
+    if not ref or not den:
+        return 0.0, 0.0
+    return max(num / den, 0.0), sum(ref) / len(ref)
 
 
 def prefill_points(entry: dict, steps: dict[int, float]) -> list[tuple[int, float]]:

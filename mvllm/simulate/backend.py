@@ -5,7 +5,8 @@ Each step first makes room for the running requests' next tokens (a block more e
 where no block is free, the last running request is preempted as the engine preempts: its blocks freed, it
 waits at the front of the queue and is computed again when admitted), then admits waiting requests in FCFS
 order while fewer than max_active run and the next one's blocks fit (`can_allocate`); an admitted request's
-cached prefix is looked up then. Every step gives one token to each running request; a request's first
+cached prefix is looked up then. Every step gives one token to each running request, and costs the profile's step at that batch, priced by the
+context the batch holds where the profile decoded at several depths (`Timing.at_depth`); a request's first
 token comes at the end of the step that admits it, and its prompt's full blocks are published then. A
 request ends at its length (`Job.max_tokens`: the workload's true length, within the max_tokens it was sent,
 `limit`): finish_reason "length" where it reached `limit`, else "stop". Its blocks are then freed, the full
@@ -82,7 +83,12 @@ class Backend:
             self.planned = [job for job in self.running if not job.done and job.generated + 1 < job.limit]
             self.planned_prefill = self.schedule(router, self.planned, 1)
         self.busy = True
-        return self.timing.step_s[len(self.running) - 1] + prefill
+        timing, running = self.timing, self.running
+        if timing.depth_s:  # a request admitted into this step is priced by its prefill
+            ref = timing.depth_ref
+            excess = sum(len(j.prompt) + j.generated - ref for j in running if not j.fresh)
+            return timing.at_depth(len(running), excess) + prefill
+        return timing.step_s[len(running) - 1] + prefill
 
     def schedule(self, router: Router, into: list, ahead: int) -> float:
         """The engine's schedule(): room for the next token of each request in `into` (`ahead`: tokens in

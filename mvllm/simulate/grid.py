@@ -30,7 +30,7 @@ def faster_cpu(profile: dict, k: float, name: str = "cpu") -> dict:
     for key in ("prefill_rate", "decode_rate", "warm_prefill_rate"):
         if b.get(key):
             b[key] *= k
-    for d in b.get("decode", []):
+    for d in b.get("decode", []) + b.get("contexts", []):
         d["step_ms"] /= k
         d["tok_s"] *= k
     for p in b.get("prefill", []):

@@ -214,11 +214,11 @@ def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Rou
 
 
 def scaled_steps(profile: dict, ratios: dict[str, float]) -> dict:
-    """The profile with each named backend's decode and mixed steps scaled by its ratio."""
+    """The profile with each named backend's decode, depth and mixed steps scaled by its ratio."""
     out = copy.deepcopy(profile)
     for name, ratio in ratios.items():
         entry = out["backends"][name]
-        for step in entry.get("decode", []):
+        for step in entry.get("decode", []) + entry.get("contexts", []):
             step["step_ms"] *= ratio
         for step in entry.get("mixed", []):
             step["ms"] *= ratio
