@@ -181,6 +181,14 @@ def bench(
     selftest: bool = typer.Option(False, "--selftest", help="Instead: measure the client's own ceiling here, "
                                                             "streaming from a stub server (1,024 streams of "
                                                             "256 tokens)."),
+    slo: str = typer.Option(None, help="Instead: find each policy's highest load at which --slo-share of the "
+                                       "requests meet this SLO, e.g. \"ttft:2000 tpot:50\" (ms; ttft, tpot, e2el), "
+                                       "by bisection, each point one run on a live server (<out>/capacity/: "
+                                       "capacity.json, capacity.png, a folder a run)."),
+    slo_share: float = typer.Option(0.99, help="With --slo: the share of requests that must meet it."),
+    loads: str = typer.Option(None, help="With --slo: LOW:HIGH, the search's first bounds in the experiment's "
+                                         "load unit (default: a quarter of its load, and its load)."),
+    tolerance: float = typer.Option(0.05, help="With --slo: stop when the bounds are this close (relative)."),
 ):
     """Replay a workload against mvllm servers it starts, policy against policy, and save what a user would feel:
     TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
@@ -206,10 +214,35 @@ def bench(
     if goodput:
         exp.goodput = parse_slo(goodput)
     policies = [p.strip() for p in policy.split(",") if p.strip()] if policy else None
-    rows = run(exp, Path(out) if out else Path("results") / exp.name, policies, runs, url, console,
-               quiet or json_out)
+    home = Path(out) if out else Path("results") / exp.name
+    if slo is not None:
+        data = bench_capacity(exp, home, policies, url, slo, slo_share, loads, tolerance, runs, goodput,
+                              quiet or json_out)
+        if json_out:
+            print(json.dumps(data, indent=2, default=str))
+        return
+    rows = run(exp, home, policies, runs, url, console, quiet or json_out)
     if json_out:
         print(json.dumps(rows, indent=2, default=str))
+
+
+def bench_capacity(exp, home, policies, url, slo, share, loads, tolerance, runs, goodput, quiet) -> dict:
+    """bench --slo: the capacity search (mvllm/capacity.py), each point a live run (bench/capacity.py)."""
+    from mvllm.bench.capacity import Live
+    from mvllm.capacity import load_of, parse_goal, run_capacity
+
+    goal = parse_goal(slo, share, loads, tolerance)
+    for given, flag, why in ((runs is not None, "--runs", "each point of the search is one run"),
+                             (bool(goodput), "--goodput", "each run's goodput is counted against --slo")):
+        if given:
+            raise MvllmError(f"{flag} does not apply with --slo: {why}")
+    if exp.sweep is not None:
+        raise MvllmError(f"--slo searches one experiment's load, and {exp.name} sweeps {exp.sweep.knob}; "
+                         "search a copy without its sweep")
+    load = load_of(exp)
+    folder = home / "capacity"
+    with Live(exp, folder, policies, url, goal.slo, load.knob, load.unit, console, quiet, home) as live:
+        return run_capacity(exp, live.policies, folder, goal, live.measure, console, "measured", live.info, quiet)
 
 
 @app.command()

@@ -77,8 +77,8 @@ def onednn() -> bool:
 def onednn_bf16() -> bool:
     """oneDNN is in this build and this CPU computes bf16 natively (AVX-512 BF16 or AMX); the macOS wheel has
     no `_is_mkldnn_bf16_supported` op at all. On x86 oneDNN's own probe also answers yes on plain AVX-512, where
-    it emulates bf16 (a 516-token prefill through it took 6.2 s on such a Xeon, 0.8 s through the int8 kernel),
-    so the CPU's own flags decide there."""
+    it emulates bf16 (a 516-token prefill through it took 6.2 s on such a Xeon, 0.8 s through the int8 kernel:
+    results/profile/dev2core-no-native-bf16.txt), so the CPU's own flags decide there."""
     if not (onednn() and probe(lambda t: bool(t.ops.mkldnn._is_mkldnn_bf16_supported()), False)):
         return False
     return not x86() or native_bf16()
@@ -131,8 +131,9 @@ def keep_freed_memory() -> bool:
     to 32 MB (glibc's ceiling for the setting) from the heap, trimmed only past 1 GB free at its top. A CPU step
     allocates its activations afresh each op (a 516-token prefill's gate/up output is 20 MB); when glibc unmaps
     those pages and maps them again, every first touch is a page fault: about 94,000 a 516-token prefill at 8
-    threads on the H200 machine's Xeon, 0 after this (results/profile/README.md); ggml plans one buffer for the
-    whole graph for the same reason. Called once the model is loaded (its load's temporaries go back as before).
+    threads on the H200 machine's Xeon without this, 0 with it (results/profile/README.md, memory and threads); ggml
+    plans one buffer for the whole graph for the same reason. Called once the model is loaded, so the load's
+    temporaries are still handed back.
     Linux with glibc only (else False); MVLLM_KEEP_FREED=0 leaves malloc as it is."""
     if system() != "linux" or os.environ.get("MVLLM_KEEP_FREED", "1") == "0":
         return False

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mvllm.capacity import DOUBLINGS, NoLoadMeetsError, search
 from mvllm.cli import app
-from mvllm.simulate.capacity import DOUBLINGS, NoLoadMeetsError, search
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

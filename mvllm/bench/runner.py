@@ -216,20 +216,18 @@ def workloads(exp: Experiment, out: Path, console: Console, quiet: bool) -> dict
     return built
 
 
-def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: int | None = None,
-          url: str | None = None, console: Console | None = None, quiet: bool = False) -> list[dict]:
-    """Run the experiment; returns the aggregate rows. Each finished run is on disk before the next
-    starts, so an error or Ctrl-C loses nothing already measured."""
-    console = console or Console(stderr=True)
+def prepare(exp: Experiment, out: Path, policies: list[str] | None, url: str | None, console: Console,
+            quiet: bool, home: Path | None = None) -> tuple[list[str], str | None, dict, Path | None]:
+    """Everything before the first run, each check before anything slow: the policies (["external"] with a
+    url), the url (reached), each sweep point's workload built (`workloads`), the profile (measured where
+    "auto", as `home`/profile.json, default `out`'s) and that it serves the policies; the experiment copied
+    into `out`."""
     if url is not None and "oracle" in (policies or []):
         raise ExperimentError("policy oracle reads the true output lengths, which bench sends only to the servers "
                               "it starts; a server at --url routes as it is set up and is never told them")
     if url is not None and policies and not quiet:
         console.print("[dim]note: --policy does not apply with --url; the server routes as it is set up[/dim]")
     policies = [check_policy(p) for p in (policies or exp.policies)] if url is None else [EXTERNAL]
-    runs = runs if runs is not None else exp.runs
-    if runs < 1:
-        raise ExperimentError(f"--runs must be at least 1, got {runs}")
     if url is None:
         for _, point in exp.points():
             parse_backends(backend_text(point), point.max_active)
@@ -241,9 +239,21 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
     built = workloads(exp, out, console, quiet)
-    profile = find_profile(exp, out, lambda e, path: measure(e, path, console)) if url is None else None
+    profile = find_profile(exp, home or out, lambda e, path: measure(e, path, console)) if url is None else None
     if url is None:
         check_profile(exp, policies, profile)
+    return policies, url, built, profile
+
+
+def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: int | None = None,
+          url: str | None = None, console: Console | None = None, quiet: bool = False) -> list[dict]:
+    """Run the experiment; returns the aggregate rows. Each finished run is on disk before the next
+    starts, so an error or Ctrl-C loses nothing already measured."""
+    console = console or Console(stderr=True)
+    runs = runs if runs is not None else exp.runs
+    if runs < 1:
+        raise ExperimentError(f"--runs must be at least 1, got {runs}")
+    policies, url, built, profile = prepare(exp, out, policies, url, console, quiet)
     servers = Servers(exp.server, out, profile) if url is None else None
     total = len(exp.points()) * len(policies) * runs
     knob = exp.sweep.knob if exp.sweep else None

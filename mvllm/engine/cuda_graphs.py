@@ -186,7 +186,7 @@ class GraphRunner:
             if fill is not None:
                 x[:, 0].index_copy_(0, *fill)
             return self.step(x)[:rows]
-        width = min(self.width, used) if self.compiled else self.width  # plain: the whole row, as before
+        width = min(self.width, used) if self.compiled else self.width  # plain: every column of the table
         # not blocking: the host goes on while an earlier step still runs (a pageable source is staged at once)
         x = self.inputs[t_pad]
         x[:, :4 + width].copy_(torch.from_numpy(self.pack(seqs, spans, t_pad, width)), non_blocking=True)

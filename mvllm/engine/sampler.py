@@ -8,7 +8,7 @@ short); the caller reads the ids. A request with a seed draws its numbers from i
 seed gives the same tokens, alone or batched with others.
 
 Where the device has float64 (CPU, CUDA) the distribution is one float64 cumulative sum over the row and one
-float64 uniform, as before. Where it has none (MPS, `supports_float64`), nothing is float64. One float32
+float64 uniform. Where it has none (MPS, `supports_float64`), nothing is float64. One float32
 cumulative sum over the whole row (accumulated in float32, as a GPU does) would round each token's share to
 the last bit of the running sum (2^-24 near 1): tokens below ~3e-8 after the row's bulk would never be drawn
 and the others' shares would be off by up to that much, which over Qwen's 151,936 tokens can misplace ~1% of
