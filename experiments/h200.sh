@@ -18,7 +18,8 @@
 #   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic (issue 26): the router alone,
 #                                    # then every policy on paper-48-hidden, shared-prefix, the trace, 3 backends
 #   RUNS=results/capacity bash experiments/h200.sh depth   # decode priced by context (issue 50): the profile with
-#                                    # depth rows, the trace window predicted from it, then measured (gpu-only, eta)
+#                                    # depth rows, the trace window predicted from it, then measured (gpu-only, eta);
+#                                    # slo: the load each holds at an SLO, measured (`bench --slo`) from that profile
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
@@ -55,7 +56,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -90,6 +91,9 @@ for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
            run 120 predict python3 -m mvllm.cli simulate experiments/trace-conversation.toml --profile "$profile" \
                --policy gpu-only,eta --out "$runs/predicted/trace-conversation"
            pbench 330 trace-conversation trace-conversation 2 gpu-only,eta ;;
+    slo) rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
+         run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
+             --policy gpu-only,eta --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 3:5 --tolerance 0.15 ;;
     z) bench 250 shared-prefix
        bench 200 paper-48-hidden ;;
     w) bench 200 shared-prefix-30 ;;
