@@ -36,7 +36,7 @@ from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, WARM_CACHED, WARM_NEW 
 from mvllm.routing.eta import Timing
 
 RULE = " ".join(__doc__.split("\n\n")[1].split())
-ROLES = ("gpu", "cpu")  # the names a policy can pin: gpu-only, cpu-only (mvllm/routing/policies.py)
+ROLES = ("gpu", "cpu")  # the names a policy can pin: gpu-only, cpu-only (mvllm/routing/policies/only.py)
 LOAD_PROMPT = 16
 
 

@@ -45,6 +45,9 @@ class Booking:
 
 @dataclass(slots=True)
 class Candidate:
+    """One backend as the router prices it for a request: the cost score's terms, and eta's model's times
+    where the policy or the routing log reads them."""
+
     backend: str
     pending_prefill: int
     pending_decode: int
@@ -53,13 +56,8 @@ class Candidate:
     cached_prefix: int
     expected_decode: int | None = None  # pending decode as the policy's lengths expect it (None: the caps)
     eta: float | None = None
-    drain: float | None = None  # makespan policy: this backend's queue drained, the new request included
+    drain: float | None = None  # this backend's queue drained, the new request included (makespan)
     idle_drain: float | None = None  # ... and without it
-    load: int = 0  # requests booked (sglang-cache)
-    sent_prefix: int = 0  # blocks of the prompt the router sent this backend before (sglang-cache)
-    sent_blocks: int = 0  # blocks the router remembers sending it (sglang-cache's tree size)
-    active_blocks: int = 0  # KV blocks its booked requests hold or will (kv-cost)
-    prompt_tokens: int = 0  # the new request's
 
     @property
     def score(self) -> float:
@@ -80,4 +78,4 @@ def candidate(backend: str, bookings: list[Booking], prompt_tokens: int, cached_
               prefill_rate: float, decode_rate: float) -> Candidate:
     prefill = sum(b.pending_prefill for b in bookings) + prompt_tokens - cached_prefix
     decode = sum(b.pending_decode for b in bookings) + max_tokens
-    return Candidate(backend, prefill, decode, prefill_rate, decode_rate, cached_prefix, prompt_tokens=prompt_tokens)
+    return Candidate(backend, prefill, decode, prefill_rate, decode_rate, cached_prefix)

@@ -1,5 +1,9 @@
 """The Router: books each whole request on one backend at the moment it decides, and keeps each
-backend's bookings current from the events its worker sends back."""
+backend's bookings current from the events its worker sends back.
+
+It keeps the bookings, the length estimate (routing/lengths.py) and the routing log, and prices each backend
+for the policy (routing/cost.py's score, routing/eta.py's finish times); the policy (routing/policies/) chooses,
+keeps its own state, and hears of each booking's changes through its hooks."""
 
 from __future__ import annotations
 
@@ -9,19 +13,24 @@ import time
 from pathlib import Path
 from typing import IO
 
-from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.routing.blocks import SentBlocks
 from mvllm.routing.cost import Booking, Candidate, candidate
 from mvllm.routing.eta import Timing, Work, drain_time, finish_time
 from mvllm.routing.lengths import Lengths, TokenRatio
-from mvllm.routing.policies import make_policy
+from mvllm.routing.policies.base import Policy, Request
+from mvllm.routing.policies.registry import make_policy
 
 REFRESH = 16  # tokens between two look-ups of a running request's length estimate (in between it counts down)
 
 
 class NoBackendError(MvllmError):
     pass
+
+
+def own_hook(policy: Policy, name: str):
+    """The policy's hook `name` where its class defines one; None where it has the base's, which does nothing."""
+    return getattr(policy, name) if getattr(type(policy), name) is not getattr(Policy, name) else None
 
 
 class Router:
@@ -42,10 +51,10 @@ class Router:
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
 
     def set_policy(self, text: str) -> None:
-        """Route new requests by this policy, with fresh state: split:K counts from zero again, new-token-ratio
-        starts at its first ratio, sglang-cache remembers sending nothing, and the length estimate starts from
-        what the router was given (`lengths`: requests seen before it; else nothing: the caps) and learns again,
-        so each benchmark run on a shared server starts as on a fresh one."""
+        """Route new requests by this policy, a fresh one with fresh state (split:K counts from zero again,
+        new-token-ratio starts at its first ratio, sglang-cache remembers sending nothing), and the length
+        estimate starts from what the router was given (`lengths`: requests seen before it; else nothing: the
+        caps) and learns again, so each benchmark run on a shared server starts as on a fresh one."""
         policy = make_policy(text, self.backends)
         if policy.needs_rates:
             missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
@@ -60,16 +69,32 @@ class Router:
         self.policy = policy
         self.lengths = copy.deepcopy(self.seen_before) if self.seen_before else Lengths()
         self.fitted = self.lengths.fits
-        self.ratios = {b: TokenRatio() for b in self.backends}  # new-token-ratio's, per backend
-        self.sent = {b: SentBlocks() for b in self.backends}  # sglang-cache's memory of what went where
+        # what on_tokens and on_step, run for every token and every step, read of the policy
+        self.estimating = policy.lengths == "estimate"
+        self.tokens_hook, self.step_hook = own_hook(policy, "tokens"), own_hook(policy, "step")
+        policy.start(self)
         self.reestimate()  # the bookings' expected lengths were the old policy's
+
+    @property
+    def ratios(self) -> dict[str, TokenRatio]:
+        """new-token-ratio's ratio of each backend (under another policy, ratios that nothing reads)."""
+        ratios = getattr(self.policy, "ratios", None)
+        return ratios if ratios is not None else {b: TokenRatio() for b in self.backends}
+
+    @property
+    def sent(self) -> dict[str, SentBlocks]:
+        """sglang-cache's record of the blocks sent each backend (under another policy, records that nothing
+        reads)."""
+        sent = getattr(self.policy, "sent", None)
+        return sent if sent is not None else {b: SentBlocks() for b in self.backends}
 
     def alive_backends(self) -> list[str]:
         return [b for b in self.backends if self.alive[b]]
 
     def expect(self, backend: str, b: Booking) -> int:
         """Decode tokens a booking is expected still to make, by the lengths the policy assumes (new-token-ratio:
-        before its backend's ratio, which the replay applies: it scales every booking of a backend alike)."""
+        before its backend's ratio, the policy's scale, which the replay applies: it scales every booking of a
+        backend alike)."""
         kind = self.policy.lengths
         if kind == "cap":
             return b.pending_decode
@@ -81,14 +106,16 @@ class Router:
         return max(end - b.generated, 0)
 
     def scale(self, backend: str) -> float | int:
-        """What a booking's `left` is multiplied by: new-token-ratio's ratio on this backend, else 1."""
-        return self.ratios[backend].ratio if self.policy.lengths == "ratio" else 1
+        """What a booking's `left` is multiplied by on this backend: the policy's scale (new-token-ratio's
+        ratio), else 1."""
+        k = self.policy.scale(backend)
+        return 1 if k is None else k
 
     def work(self, backend: str, booked: list[Booking]) -> Work:
         """The bookings as eta's replay takes them, by the policy's lengths."""
-        k = self.scale(backend)
+        k = self.policy.scale(backend)
         active = [x for x in booked if x.active]
-        if self.policy.lengths != "ratio":  # k is 1: the same lists, without a multiplication each
+        if k is None:  # the same lists, without a multiplication each
             running = [x.left for x in active]
             queue = [(x.prompt_tokens - x.estimated_cached, x.left) for x in booked if not x.active]
         else:
@@ -105,7 +132,9 @@ class Router:
                 b.left = self.expect(name, b)
 
     def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
-                   blocks: list[int] | None = None, length: int | None = None) -> dict[str, Candidate]:
+                   length: int | None = None) -> dict[str, Candidate]:
+        """Each alive backend with rates (every one, where the policy asks) priced for this request: what the
+        policy reads (needs_score, needs_timing, needs_drain), and all the routing log shows where there is one."""
         out, p, log = {}, self.policy, self.log is not None
         if p.lengths == "estimate" and self.fitted != self.lengths.fits:
             self.reestimate()
@@ -113,7 +142,7 @@ class Router:
         new.left = self.expect("", new)
         for b in self.alive_backends():
             r = self.rates.get(b)
-            if not r and not p.needs_load:
+            if not r and not p.every_backend:
                 continue
             booked = list(self.bookings[b].values())
             have = cached.get(b, 0)
@@ -121,12 +150,7 @@ class Router:
             if p.needs_score or log:
                 c = candidate(b, booked, prompt_tokens, have, max_tokens, *rates)
             else:
-                c = Candidate(b, 0, 0, *rates, have, prompt_tokens=prompt_tokens)
-            if p.needs_load:
-                c.load = len(booked)
-                c.active_blocks = sum(-(-(x.prompt_tokens + x.generated) // BLOCK_SIZE) for x in booked)
-            if p.needs_blocks:
-                c.sent_prefix, c.sent_blocks = self.sent[b].match(blocks), len(self.sent[b])
+                c = Candidate(b, 0, 0, *rates, have)
             timing = self.timings.get(b)
             if timing and (p.needs_timing or log):
                 work = self.work(b, booked)
@@ -153,16 +177,16 @@ class Router:
         if p.needs_blocks and blocks is None:
             raise InvalidRequestError(f"policy {p.name} needs the prompt's block hashes", "policy")
         self.recent_max_tokens = (self.recent_max_tokens + [max_tokens])[-32:]
-        # scores only where the policy or the routing log reads them: eta's replay costs O(queue) per backend
-        scored = p.needs_rates or p.needs_load or self.log
-        cands = self.candidates(prompt_tokens, max_tokens, cached, blocks, length) if scored else {}
-        choice = p.choose(alive, cands)
+        # prices only where the policy or the routing log reads them: eta's replay costs O(queue) per backend
+        scored = p.needs_rates or self.log
+        cands = self.candidates(prompt_tokens, max_tokens, cached, length) if scored else {}
+        request = Request(request_id, prompt_tokens, max_tokens, cached, blocks, length)
+        choice = p.choose(alive, cands, request)
         booking = self.bookings[choice][request_id] = Booking(request_id, prompt_tokens, cached.get(choice, 0),
                                                               max_tokens, length=length)
         booking.left = self.expect(choice, booking)
         self.decisions[choice] += 1
-        if p.needs_blocks:
-            self.sent[choice].insert(blocks)
+        p.routed(choice, request)
         if self.log:
             expected = ({"expected_tokens": booking.left * self.scale(choice),
                          "lengths": self.lengths.state() if p.lengths == "estimate" else p.lengths}
@@ -204,38 +228,40 @@ class Router:
         if booking:
             booking.active = True
             booking.generated = done = booking.generated + count
-            if self.policy.lengths != "estimate" or done % REFRESH < count:
+            if not self.estimating or done % REFRESH < count:
                 booking.left = self.expect(backend, booking)
             else:  # counts down to the next look-up, within the cap: min(max(left, 1), max(room, 0))
                 left, room = booking.left - count, booking.max_tokens - done
                 if left < 1:
                     left = 1
                 booking.left = left if left <= room else max(room, 0)
+            if self.tokens_hook is not None:
+                self.tokens_hook(booking, count)
 
     def on_step(self, backend: str) -> None:
-        """The backend ran a decode step (new-token-ratio's ratio decays by steps; no other policy reads it)."""
-        if self.policy.lengths == "ratio":
-            self.ratios[backend].step()
+        """The backend ran a decode step (new-token-ratio's ratio decays by steps)."""
+        if self.step_hook is not None:
+            self.step_hook(backend)
 
     def on_preempted(self, backend: str) -> None:
-        """The backend preempted a request (SGLang's retraction): new-token-ratio resets to what is used."""
-        booked = [b for b in self.bookings[backend].values() if b.active]
-        self.ratios[backend].retracted(sum(b.generated for b in booked), sum(b.max_tokens for b in booked),
-                                       len(booked))
+        """The backend preempted a request (SGLang's retraction: new-token-ratio resets its ratio)."""
+        self.policy.preempted(backend)
 
     def on_finished(self, backend: str, request_id: str, reason: str | None = None) -> None:
         """A request left the backend. `reason`: "stop" (it ended by itself: its length), "length" (at its cap)
         or "abort" (its client left): each tells the length estimate what it made; None (it failed) does not."""
         booking = self.bookings[backend].pop(request_id, None)
-        if booking is not None and reason is not None:
-            self.lengths.finished(booking.generated, reason == "stop")
+        if booking is not None:
+            if reason is not None:
+                self.lengths.finished(booking.generated, reason == "stop")
+            self.policy.finished(backend, booking, reason)
 
     def on_dead(self, backend: str) -> list[str]:
         """Stop choosing a backend; returns the ids of the requests it held."""
         self.alive[backend] = False
         held = list(self.bookings[backend])
         self.bookings[backend].clear()
-        self.sent[backend].clear()  # a restarted worker starts with an empty cache
+        self.policy.dead(backend)
         return held
 
     def revive(self, backend: str) -> None:
