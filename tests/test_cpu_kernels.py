@@ -276,11 +276,12 @@ def test_lanes8_kernel_matches_and_is_batch_invariant(lanes8, out, inputs):
 
 
 @pytest.mark.parametrize("kind", ["lanes", "lanes8"])
-def test_chunks_and_staging_change_no_bits(kernel, kind):
-    """How a call is shared among threads (chunks per thread, each claiming the next; 0: one range each), the
-    L2 prefetch of the next block (stage) and the prefetch distance change only which thread computes an output and when: the same bits, at
-    a decode row, the VNNI blocks' 20 rows (several passes over a block), 48 (AMX tiles where ck.amx()) and 300 (the
-    rows cut into bands, narrower where the call has few chunks a thread)."""
+def test_the_thread_count_changes_no_bits(kernel, kind):
+    """How a call is shared among threads (one range each on one thread, or where a call has too few chunks; else
+    chunks each thread claims in turn, the rows cut into bands, narrower where a call has few chunks a thread, and
+    the next block prefetched into L2) changes only which thread computes an output and when: the same bits at 1, 2
+    and 3 threads, at a decode row, the VNNI blocks' 20 rows (several passes over a block), 48 (AMX tiles where
+    ck.amx()) and 300 (bands)."""
     if kind == "lanes8" and not ck.has_lanes8():
         pytest.skip("this build has no lanes8 kernel (AVX-512 VNNI)")
     if kind == "lanes" and not ck.has_lanes():
@@ -290,56 +291,39 @@ def test_chunks_and_staging_change_no_bits(kernel, kind):
     qp, sp = ck.pack(q, scales, kind)
     x = torch.randn(300, 896, generator=gen)
     threads = torch.get_num_threads()
-    names = ("chunks", "stage", "bands", "prefetch")
-    before = [ck.knob(name, 0) for name in names]
     try:
-        torch.set_num_threads(max(2, threads))
         for rows in (1, 20, 48, 300):
-            for name in names:
-                ck.knob(name, 0)
-            plain = ck.int8_linear(x[:rows], qp, sp)
-            for setting in ((1, 0, 1, 0), (8, 0, 1, 1024), (8, 1, 1, 4096), (64, 1, 1, 256), (8, 1, 0, 4096),
-                            (1, 0, 0, 65536)):
-                for name, value in zip(names, setting):
-                    ck.knob(name, value)
-                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), plain), (rows, setting)
+            torch.set_num_threads(1)
+            alone = ck.int8_linear(x[:rows], qp, sp)
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(ck.int8_linear(x[:rows], qp, sp), alone), (rows, n)
     finally:
-        for name, value in zip(names, before):
-            ck.knob(name, value)
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="chunks, stage, amx_above, bands, prefetch, finish and amx_rows"):
-        ck.knob("nope", 1)
-    before = ck.knob("amx_above", 5)  # the setting round-trips on every build (it changes calls only with AMX)
-    assert (before, ck.knob("amx_above", before)) == (int(os.environ.get("MVLLM_INT8_AMX_ABOVE", 8)), 5)
 
 
 def test_amx_passes_of_any_rows_give_the_vnni_bits(lanes8):
-    """With AMX, a call's rows go in passes of 16 (knob "amx_rows" 1), the rows past the last 16 on the VNNI blocks
-    where no more than amx_above, or in passes of 32 (0; tiles configured to 1-31 rows, in one A tile or two): each
-    call's bits are those of the same rows in a 70-row call on the VNNI blocks (amx_above beyond every call), with
-    every call on the tiles (amx_above 0) or the rest on VNNI (8), their float steps a group at a time or in chunks
-    of 2-8 groups (knob "finish"; 28 groups: chunks that divide them and chunks that do not)."""
+    """With AMX, a call of more than 8 rows goes in passes of up to 16 rows (the tiles configured to 1-16 rows), the
+    rows past the last 16 on the VNNI blocks where no more than 8, the float steps 4 groups at a time: each row's bits
+    are those it gets alone (1 row: the VNNI blocks), for inputs of 28 groups (chunks of 4 that divide them) and 30
+    (that do not), at 1 and 3 threads."""
     if not ck.amx():
         pytest.skip("no AMX tiles here (a Sapphire Rapids or later Xeon, the tile state granted by Linux)")
     gen = torch.Generator().manual_seed(11)
-    q, scales = ck.quantize_weight(torch.randn(1936, 896, generator=gen))  # 121 tiles: blocks of 2 and 1
-    bias = torch.randn(1936, generator=gen)
-    qp, sp = ck.pack(q, scales, "lanes8")
-    x = torch.randn(70, 896, generator=gen)
-    before, finish, split = ck.knob("amx_above", 1 << 40), ck.knob("finish", 1), ck.knob("amx_rows", 0)
+    threads = torch.get_num_threads()
     try:
-        vnni = ck.int8_linear(x, qp, sp, bias)
-        for mode, chunk, above in [(0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 4, 0), (0, 8, 0), (1, 4, 0), (1, 1, 8),
-                                   (1, 3, 8), (1, 4, 8)]:
-            ck.knob("finish", chunk)
-            ck.knob("amx_rows", mode)
-            ck.knob("amx_above", above)
-            for rows in (1, 2, 7, 15, 16, 17, 20, 31, 32, 33, 47, 64, 70):
-                assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), (mode, chunk, above, rows)
+        for inputs in (896, 960):
+            q, scales = ck.quantize_weight(torch.randn(1936, inputs, generator=gen))  # 121 tiles: blocks of 2 and 1
+            bias = torch.randn(1936, generator=gen)
+            qp, sp = ck.pack(q, scales, "lanes8")
+            x = torch.randn(70, inputs, generator=gen)
+            vnni = torch.cat([ck.int8_linear(x[r:r + 1], qp, sp, bias) for r in range(70)])
+            for n in (1, 3):
+                torch.set_num_threads(n)
+                for rows in (9, 15, 16, 17, 20, 24, 25, 31, 32, 33, 47, 64, 70):
+                    assert torch.equal(ck.int8_linear(x[:rows], qp, sp, bias), vnni[:rows]), (inputs, n, rows)
     finally:
-        ck.knob("amx_above", before)
-        ck.knob("finish", finish)
-        ck.knob("amx_rows", split)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind,top", [("lanes", 32767), ("lanes8", 127)])
@@ -397,14 +381,13 @@ PATH_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("float4", "float"), ("float8", "float"),
-                                       ("lanes", ""), ("lanes8", ""), ("nonsense", ""), ("", "")])
+@pytest.mark.parametrize("path,name", [("int16", "int16"), ("float", "float"), ("lanes", ""), ("lanes8", ""),
+                                       ("float4", ""), ("nonsense", ""), ("", "")])
 def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     """MVLLM_INT8_PATH picks the path (read once per process, so one process each): every path agrees with the
-    reference, gives a row alone the bits it gets in a batch, and is the one build_info names (float4 and float8
-    are AVX-512's interleaved float paths, the plain float path elsewhere). Unset or unknown: the default
-    (default_path: the weights are then packed in a lanes layout where it has one); lanes8 where it is not built
-    falls back to lanes."""
+    reference, gives a row alone the bits it gets in a batch, and is the one build_info names. Unset or unknown (a
+    removed path, float4, among them): the default (default_path: the weights are then packed in a lanes layout
+    where it has one); lanes8 where it is not built falls back to lanes."""
     env = {**os.environ, "MVLLM_INT8_PATH": path}
     done = subprocess.run([sys.executable, "-c", PATH_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -415,9 +398,7 @@ def test_each_path_matches_and_is_batch_invariant(kernel, path, name):
     if not name:
         name = default_path(has_lanes)
     first = named.split(" ")[0]
-    assert first == name or (name == "float" and first in ("float4", "float8")), named
+    assert first == name, named
     assert (packs, dims) == (("True", "3") if name.startswith("lanes") else ("False", "2")), (packs, dims)
-    assert ("is not one of int16, float, float4, float8, lanes, lanes8" in done.stderr) == (path == "nonsense"), \
+    assert ("is not one of int16, float, lanes, lanes8" in done.stderr) == (path in ("float4", "nonsense")), \
         done.stderr
-    if path in ("float4", "float8"):
-        assert (path in named) == ("AVX-512" in named), named

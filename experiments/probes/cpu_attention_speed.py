@@ -1,8 +1,8 @@
 """The fused CPU attention (mvllm/kernels/csrc/fused.cpp) with its lanes path on and off, in one process: a step's
 paged_attention at the profile's cells (Qwen2.5-0.5B's 24 layers, each its own cache, of 14 heads over 2 KV heads
 of 64), alternating the settings --rounds times, each setting's best median, and the error against the torch
-reference. --settings items=4,items=1 compares other settings of cpu_fused.attention_knob instead (each against
-the first; "lanes=0:items=1" sets two). The 8-wide lanes of AVX2 and NEON on an AVX-512 machine:
+reference. --settings lanes=0,lanes=2 compares other settings of cpu_fused.attention_knob instead (each against
+the first; its only knob is "lanes" now). The 8-wide lanes of AVX2 and NEON on an AVX-512 machine:
 `python experiments/probes/march.py haswell experiments/probes/cpu_attention_speed.py ...`.
 
     python experiments/probes/cpu_attention_speed.py [--threads 8] [--rounds 3] [--settings lanes=0,lanes=1,lanes=2] [--cells warm,decode] [--hot]
@@ -83,7 +83,7 @@ def main() -> None:
         raise SystemExit(f"the fused kernels did not build: {cpu_fused.why_unavailable}")
     torch.set_num_threads(a.threads)
     settings = a.settings.split(",")
-    defaults = {name: cpu_fused.attention_knob(name, 1) for name in ("lanes", "items", "token_items")}
+    defaults = {name: cpu_fused.attention_knob(name, 1) for name in ("lanes",)}
     for name, value in defaults.items():
         cpu_fused.attention_knob(name, value)
     rows = []

@@ -37,19 +37,16 @@ from mvllm.kernels import cpu_int8, cpu_layers
 from mvllm.model.decoder import Decoder
 
 PACKED_MAX_ROWS = 8  # int8w: up to this many tokens the int8 kernel, above it the packed GEMM
-# ... and up to this many where the weights are in the kernel's lanes layout. A step's linears on the H200
-# machine's Xeon against the bf16 GEMM (experiments/probes/cpu_int8_speed.py --gemm, one call, commit 6c36caf): 16 rows
-# took 0.61-0.83x its time at 8 threads and 0.36-0.76x at 16; 20 rows 0.97-1.18x at 8. On the AVX2 machine
-# (float32 GEMM): 0.82x at 32 rows, 1.0x at 64.
+# ... and up to this many where the weights are in the kernel's lanes layout: the most rows at which the kernel beat
+# the bf16 GEMM (results/profile/README.md, the lanes layout's kernel alone).
 LANES_MAX_ROWS = 16
-# ... and this many in the lanes8 layout (int8 activations, AVX-512 VNNI). Against the GEMM on the Xeon (same tool,
-# one call, commit f8eca13, the GEMM timed in each path's process): 32 rows took 0.80-0.93x its time at 8 threads
-# and 0.36-0.59x at 16; 64 rows 1.11-1.31x at 8 threads.
+# ... and this many in the lanes8 layout (int8 activations, AVX-512 VNNI): the same, for lanes8
+# (results/profile/README.md).
 LANES8_MAX_ROWS = 32
 # ... and this many where the lanes8 kernel has AMX tiles (cpu_int8.amx(); above 8 rows), or where the GEMM would
-# run in float32 (no native bf16: on a 2-vCPU Xeon with AVX-512 VNNI, no BF16, the kernel took 0.25-0.48x the
-# float32 GEMM's time at 16-516 rows, cpu_int8_speed.py --gemm): every step, so no de-quantized copy is kept and a
-# row's result never depends on its batch.
+# run in float32 (no native bf16, where the kernel is several times faster at any row count:
+# results/profile/dev2core-no-native-bf16.txt): every step, so no de-quantized copy is kept and a row's result never
+# depends on its batch.
 EVERY_ROW = math.inf
 BATCH_INVARIANT = False  # int8w's default: batch_invariant=off
 CPU = torch.device("cpu")

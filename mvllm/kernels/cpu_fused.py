@@ -18,7 +18,7 @@ Shapes (T tokens of a flattened batch, D head_dim, all float32 and contiguous):
   (attention_knob "lanes"), the rest one (token, kv head) at a time
 - silu_mul(gate_up [T, 2 * I]) -> [T, I]
 - argmax(x [rows, n]) -> int64 [rows]: torch.argmax(x, -1) (first index of the largest; a NaN counts as
-  largest), in vector code: torch's took 400 us for one 151,936-entry row on the 2-vCPU AVX2 machine
+  largest), in vector code: torch's is slow on one vocabulary-sized row
 """
 
 from __future__ import annotations
@@ -81,12 +81,10 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
 
 
 def attention_knob(name: str, value: int) -> int:
-    """Set one of paged_attention's knobs in this process, for same-process comparisons; the previous value back.
-    "lanes" (MVLLM_ATTN_LANES): which rows take the lanes path, query rows in vector lanes: 0 none, 1 a prefill's
-    rows but its newest (the default with AVX-512), 2 every row (the default where the lanes are 8 wide: AVX2,
-    NEON). "items" (MVLLM_ATTN_ITEMS, default 4): work items a thread the keys of lanes pairs are cut into;
-    "token_items" (MVLLM_ATTN_TOKEN_ITEMS, default 1): the same for (token, kv head) pairs, decode's. Needs the
-    build: call available() first."""
+    """Set paged_attention's knob in this process, for tests and same-process comparisons; the previous value back.
+    "lanes" (MVLLM_ATTN_LANES), the only one: which rows take the lanes path, query rows in vector lanes: 0 none, 1
+    a prefill's rows but its newest (the default with AVX-512), 2 every row (the default where the lanes are 8 wide:
+    AVX2, NEON). Needs the build: call available() first."""
     return int(_ops.attention_knob(name, int(value)))
 
 

@@ -11,16 +11,15 @@ build fails it returns False and `why_unavailable` says why (one line: the compi
 The kernel's path decides how activations are rounded and how Int8Linear packs its weights at load (`layout`):
 - lanes8, the default with AVX-512 VNNI: each row rounded to int8 per group of 32 inputs (one scale each, as
   llama.cpp's Q8_0 activations), the weights packed in tiles of 16 outputs with each group's inputs in fours,
-  plus 128, as uint8; one vpdpbusd a row applies 64 weights. On SmolLM2's real weights mean KL 0.0036 against
-  float32 and top-1 96.5%, where lanes gave 0.0011 and 98.1% (a 2-vCPU AMD EPYC with AVX-512 VNNI,
-  results/profile/dev2core-lanes8-accuracy.json);
+  plus 128, as uint8; one vpdpbusd a row applies 64 weights. Less accurate than lanes, inside int8w's bound
+  (results/profile/dev2core-lanes8-accuracy.json);
 - lanes, the default with AVX2 (or AVX-512 without VNNI): each row rounded to int16 (one scale a row), the
   weights in tiles of 16 outputs with each input pair's 16 weights together, float16 scales in an array of
   the same order;
 - int16 elsewhere (NEON, plain loops): the weights stay [out, in] and one row streams at a time.
 Every path sums each group exactly in int32. It builds on any CPU, and quant.cpu_mode picks int8w wherever it
-builds. MVLLM_INT8_PATH=lanes8|lanes|int16|float|float4|float8 forces a path, for same-run comparisons
-(csrc/int8_linear.cpp; any other value: one line on stderr, and the default).
+builds. MVLLM_INT8_PATH=lanes8|lanes|int16|float forces a path, for tests and same-run comparisons
+(csrc/int8_kernels.h; any other value: one line on stderr, and the default).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(out, groups, inputs // groups) * scales[..., None]).reshape(out, inputs)
 
 
-PATHS = ("int16", "float", "float4", "float8", "lanes", "lanes8")
+PATHS = ("int16", "float", "lanes", "lanes8")
 LANE_OUTS = 16  # outputs a tile of the lanes layout
 
 
@@ -96,23 +95,9 @@ def has_lanes8() -> bool:
 
 
 def amx() -> bool:
-    """Whether lanes8 calls of more than knob("amx_above") rows (default 8) take AMX tiles here: built with AMX
-    (-march=native on a Sapphire Rapids or later Xeon), the tile state granted by Linux, MVLLM_INT8_AMX not 0."""
+    """Whether lanes8 calls of more than 8 rows (csrc/int8_kernels.h's kAmxAbove) take AMX tiles here: built with
+    AMX (-march=native on a Sapphire Rapids or later Xeon), the tile state granted by Linux, MVLLM_INT8_AMX not 0."""
     return has_lanes8() and torch.ops.mvllm_int8.amx(GROUP)
-
-
-def knob(name: str, value: int) -> int:
-    """Set one of the kernel's knobs in this process, for same-process comparisons; the previous value back.
-    "chunks": chunks per thread a call's outputs are cut into, each thread claiming the next (0: one even range
-    per thread; MVLLM_INT8_CHUNKS, default 8). "stage": 1 prefetches the next block's weights into L2 while a
-    call of several passes over a block computes (MVLLM_INT8_STAGE, default 1). "amx_above": calls of more rows
-    than this take AMX tiles where amx() (MVLLM_INT8_AMX_ABOVE, default 8). "bands": 1 cuts a call's rows into
-    bands the threads claim apart (MVLLM_INT8_BANDS, default 1). "prefetch": the bytes ahead of each weight stream
-    the AVX-512 lanes kernels prefetch (MVLLM_INT8_PREFETCH, default 4096; 0 none). "finish": the groups whose
-    AMX products are finished (the float steps) together, the totals in registers (MVLLM_INT8_FINISH, 1-8,
-    default 4; 1 a group at a time). "amx_rows": how a call's rows split into AMX passes (MVLLM_INT8_AMX_ROWS,
-    default 1: passes of 16 rows, the rest up to amx_above on the VNNI blocks; 0 passes of 32, 16 + the rest)."""
-    return torch.ops.mvllm_int8.knob(name, value)
 
 
 HUGE = 2 << 20  # a transparent huge page on x86-64 and aarch64 Linux with 4 KB pages

@@ -76,14 +76,9 @@ class Layers:
 
 
 def knob(name: str, value: int) -> int:
-    """Set the layer loop's knob in this process, for same-process comparisons; the previous value back. "team":
-    1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op. "even": the
-    percent of a linear's output blocks the team splits evenly, the rest claimed in turn (MVLLM_TEAM_EVEN, default
-    75). "ahead": the bytes of its next share a thread waiting at a barrier prefetches (MVLLM_TEAM_AHEAD, 1 MB).
-    "times": 1 records the team's phase times (team_times), 0 (the default) does not. "last": 1 (MVLLM_TEAM_LAST,
-    the default) runs a last layer that trims its rows in the team, 0 op by op. "amx_blocks": a linear on
-    AMX tiles halves its output blocks (64 outputs, down to 16) while it has fewer than this many a thread
-    (MVLLM_TEAM_AMX_BLOCKS, default 6; 0 keeps 64)."""
+    """Set the layer loop's knob in this process, for tests and same-process comparisons; the previous value back.
+    "team": 1 runs steps of up to 64 tokens in one team of threads (MVLLM_TEAM, default 1), 0 a region an op.
+    "times": 1 records the team's phase times (team_times), 0 (the default) does not."""
     if not available():
         raise RuntimeError(f"no C++ layer loop here: {why_unavailable}")
     return torch.ops.mvllm_layers.knob(name, value)

@@ -88,9 +88,9 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
 
 
 def fused_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[int]], block_size: int) -> AttnMeta:
-    """The "fused" layout (CPU tensors) from Python lists and one tensor, of which the fields are views: a CPU
-    decode step paid 0.17 ms of 4.4 for it in a dozen small tensor ops before (the H200 machine's Xeon, 16
-    threads, `experiments/probes/cpu_step_ops.py --split`), its caches cold from streaming the weights."""
+    """The "fused" layout (CPU tensors) from Python lists and one tensor, of which the fields are views: a dozen
+    small tensor ops cost a CPU decode step measurably more, its caches cold from streaming the weights
+    (results/profile/README.md)."""
     slots, seq_of, key_len = [], [], []
     for row, ((start, end), table) in enumerate(zip(seqs_positions, block_tables)):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -562,32 +562,24 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // for every x, so the compiler drops the subtraction.)
 inline vf splat(float x) { return x - vf{}; }
 
-// Knobs, each read from its environment variable on first use:
-// - MVLLM_ATTN_LANES, which rows take the lanes path: 0 none; 1 a prefill's rows but its newest (the default with
-//   AVX-512, where a decode row's 7 query heads would fill 7 of 16 lanes: 1.08-1.64x the per-token path's time);
-//   2 every row (the default where the lanes are 8 wide, AVX2 and NEON: a decode step's attention at depth 516
-//   took 0.68x the per-token path's time, batch 4 0.61x: results/profile/dev2core-attention-8wide.txt).
-// - MVLLM_ATTN_ITEMS (default 4) and MVLLM_ATTN_TOKEN_ITEMS (default 1): the work a thread in items of lanes pairs
-//   and of (token, kv head) pairs. On the H200 machine's Xeon, same process, one item a thread took a decode
-//   step's attention at depth 516 to 0.84-0.93x the time of four, and cost lanes pairs 2-14% in a warm prefill.
-std::atomic<int64_t> g_lanes{-1}, g_items{-1}, g_token_items{-1};
-
-int64_t knob_value(std::atomic<int64_t>& knob, const char* env_name, int64_t fallback) {
-  int64_t v = knob.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv(env_name);
-    v = env && *env ? std::max<int64_t>(0, std::atoll(env)) : fallback;
-    knob.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
+// Which rows take the lanes path (MVLLM_ATTN_LANES, read on first use; attention_knob "lanes" in a running
+// process): 0 none; 1 a prefill's rows but its newest (the default with AVX-512, where a decode row's 7 query heads
+// would fill 7 of 16 lanes, slower than the per-token path); 2 every row (the default where the lanes are 8 wide,
+// AVX2 and NEON: faster for decode too, results/profile/dev2core-attention-8wide.txt).
+std::atomic<int64_t> g_lanes{-1};
 constexpr int64_t kLanesDefault = kL == 8 ? 2 : 1;
-int64_t lanes_mode() { return std::min<int64_t>(knob_value(g_lanes, "MVLLM_ATTN_LANES", kLanesDefault), 2); }
-int64_t items_per_thread() { return std::max<int64_t>(1, knob_value(g_items, "MVLLM_ATTN_ITEMS", 4)); }
-int64_t token_items_per_thread() {
-  return std::max<int64_t>(1, knob_value(g_token_items, "MVLLM_ATTN_TOKEN_ITEMS", 1));
+int64_t lanes_mode() {
+  int64_t v = g_lanes.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("MVLLM_ATTN_LANES");
+    v = env && *env ? std::max<int64_t>(0, std::atoll(env)) : kLanesDefault;
+    g_lanes.store(v, std::memory_order_relaxed);
+  }
+  return std::min<int64_t>(v, 2);
 }
+// The work a thread in items of lanes pairs, and of (token, kv head) pairs (decode's: a split costs a merge, and one
+// item a thread was faster than four there; results/profile/README.md).
+constexpr int64_t kItemsPerThread = 4, kTokenItemsPerThread = 1;
 
 struct LanesScratch {  // [D][kRL] queries and outputs, [kTile][kRL] scores, m and l, key lengths, key rows
   std::vector<float> qt, acc, st, m, l;
@@ -701,17 +693,11 @@ void attend_lanes(const Attn& a, const Pair& p, int64_t begin, int64_t end, Lane
   }
 }
 
-// Sets a knob in this process (same-process comparisons); its previous value back.
+// Sets the lanes mode in this process (tests, same-process comparisons); its previous value back.
 int64_t attention_knob(const std::string& name, int64_t value) {
-  if (name == "lanes") {
-    const int64_t old = lanes_mode();
-    g_lanes.store(std::clamp<int64_t>(value, 0, 2));
-    return old;
-  }
-  TORCH_CHECK(name == "items" || name == "token_items", "attention knobs: lanes, items and token_items, got ", name);
-  std::atomic<int64_t>& knob = name == "items" ? g_items : g_token_items;
-  const int64_t old = name == "items" ? items_per_thread() : token_items_per_thread();
-  knob.store(std::max<int64_t>(1, value));
+  TORCH_CHECK(name == "lanes", "attention knobs: lanes, got ", name);
+  const int64_t old = lanes_mode();
+  g_lanes.store(std::clamp<int64_t>(value, 0, 2));
   return old;
 }
 
@@ -814,7 +800,7 @@ void plan_attention(AttnPlan& plan, int64_t t_count, const AttnMeta& m, int64_t 
   // Chunk the keys so that the work comes in about 4 items a thread where it is in lanes pairs, 1 in (token, kv
   // head) pairs (decode: few tokens and kv heads, long contexts; a split costs a merge); prefill has enough pairs
   // and keeps each pair's keys whole, as does one thread.
-  const int64_t target = items_per_thread() * threads, token_target = token_items_per_thread() * threads;
+  const int64_t target = kItemsPerThread * threads, token_target = kTokenItemsPerThread * threads;
   const int64_t per_item = (work + target - 1) / target, per_token_item = (work + token_target - 1) / token_target;
   const int64_t n_pairs = static_cast<int64_t>(pairs.size());
   auto& items = plan.items;
@@ -931,9 +917,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // ---- argmax ----
 
-// torch's CPU argmax walks a row one element at a time (about 400 us for a 151,936-entry row on the AVX2
-// machine); here one pass in vector lanes keeps each lane's largest value and its first index (strictly greater
-// replaces, so ties keep the first), then the lanes are merged. A NaN anywhere: the first NaN, as torch.
+// torch's CPU argmax walks a row one element at a time (slow on a vocabulary-sized row); here one pass in vector
+// lanes keeps each lane's largest value and its first index (strictly greater replaces, so ties keep the first),
+// then the lanes are merged. A NaN anywhere: the first NaN, as torch.
 #if defined(__AVX512F__)
 constexpr int kArgLanes = 16;
 #else

@@ -39,7 +39,7 @@
 namespace mvllm::int8 {
 namespace {
 
-constexpr int64_t kOutBlock = 4;     // output rows per block: each x load is reused this many times (float8: 8)
+constexpr int64_t kOutBlock = 4;     // output rows per block: each x load is reused this many times
 constexpr int64_t kRowTile = 8;      // activation rows per pass over a block (float activations)
 constexpr int64_t kIntRowBytes = 192 * 1024;  // int16 activations: rows per pass up to this many bytes of them
 constexpr int64_t kGrainOuts = 32;   // output rows per thread at least
@@ -59,51 +59,43 @@ struct Problem {
   float* y;
   int64_t rows, in, out, group;
   int64_t block = kOutBlock;  // output rows per block (run's unit of work)
-  int64_t ahead = kOutBlock;  // AVX-512 float paths: prefetch the weights this many rows ahead
   bool lanes = false;         // q and scales are in the lanes layout (below; cpu_int8.pack)
-  bool amx = false;           // lanes8: calls of more than amx_above() rows take AMX tiles (each thread loads their config)
+  bool amx = false;           // lanes8: calls of more than kAmxAbove rows take AMX tiles (each thread loads their config)
   int64_t groups() const { return in / group; }
 };
 
 float finish(const Problem& p, int64_t o, float sum) { return p.bias ? sum + p.bias[o] : sum; }
 
 #if defined(__AVX512F__)
-// Rows [r0, r0 + R) x outputs [o0, o0 + B); the group is a multiple of 16. Each 16-weight vector is
-// de-quantized once (int8 -> float, times its group's scale) and applied to all R rows. One flat loop
-// over the inputs keeps the R x B accumulators in registers (a loop nest over groups made GCC keep them
-// on the stack). Software prefetch of the next block's weights and scales doubled the bandwidth on
-// Zen 5: the hardware prefetchers do not ramp up on B short interleaved streams.
-template <int R, int B>
-void block_avx512(const Problem& p, int64_t r0, int64_t o0) {
+// Rows [r0, r0 + R) x output o; the group is a multiple of 16. Each 16-weight vector is de-quantized once (int8 ->
+// float, times its group's scale) and applied to all R rows. One flat loop over the inputs keeps the accumulators in
+// registers (a loop nest over groups made GCC keep them on the stack). The next block's weights and scales are
+// prefetched in software: the hardware prefetchers did not ramp up on short interleaved streams.
+template <int R>
+void block_avx512(const Problem& p, int64_t r0, int64_t o) {
   const int64_t ng = p.groups();
   const float* x = p.x + r0 * p.in;
-  const int8_t* q = p.q + o0 * p.in;
-  const float* scales = p.scales + o0 * ng;
-  const int64_t ahead = p.ahead * p.in, ahead_scales = p.ahead * ng;  // the same place p.ahead rows on
-  __m512 total[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) total[r][b] = _mm512_setzero_ps();
+  const int8_t* q = p.q + o * p.in;
+  const float* scales = p.scales + o * ng;
+  const int64_t ahead = p.block * p.in, ahead_scales = p.block * ng;  // the same place a block on
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t i = 0, g = 0, left = p.group; i < p.in; i += 16) {
     __m512 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * p.in + i);
-    for (int b = 0; b < B; ++b) {
-      const int8_t* row = q + b * p.in;
-      if ((i & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + ahead + i), _MM_HINT_T0);
-      if (left == p.group && (g & 15) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(scales + ahead_scales + b * ng + g), _MM_HINT_T0);
-      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
-      __m512 s = _mm512_set1_ps(scales[b * ng + g]);
-      __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
-      for (int r = 0; r < R; ++r) total[r][b] = _mm512_fmadd_ps(xv[r], w, total[r][b]);
-    }
+    if ((i & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + ahead + i), _MM_HINT_T0);
+    if (left == p.group && (g & 15) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(scales + ahead_scales + g), _MM_HINT_T0);
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+    __m512 s = _mm512_set1_ps(scales[g]);
+    __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
+    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(xv[r], w, total[r]);
     if ((left -= 16) == 0) {
       left = p.group;
       ++g;
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b)
-      p.y[(r0 + r) * p.out + o0 + b] = finish(p, o0 + b, _mm512_reduce_add_ps(total[r][b]));
+  for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.out + o] = finish(p, o, _mm512_reduce_add_ps(total[r]));
 }
 #endif
 
@@ -319,97 +311,63 @@ inline int32_t pair(const int16_t* x) {
   return v;
 }
 
-// Knobs for same-run experiments (experiments/probes/cpu_int8_speed.py --paths lanes:tiles=2:prefetch=1024), AVX-512
-// only, each read once: MVLLM_INT8_TILES, the tiles of one thread's range streamed at once at 1-2 rows (1, 2 or
-// 4; default 1), MVLLM_INT8_PREFETCH, how many bytes ahead of each stream to prefetch (default 4096: eight groups
-// of a tile; 0: none; also knob("prefetch", n) in a running process; on the Xeon, same process, 4096 took decode
-// steps to 0.93-1.00x and warm prefills to 0.95x the time of 1024, the default before), MVLLM_INT8_HINT, into
-// which cache. Neither more tiles nor a prefetch into L2 beat the defaults on the Xeon (results/profile/README.md).
+// An environment variable's integer value (fallback where unset), clamped to [lo, hi].
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* env = std::getenv(name);
   return std::clamp<int64_t>(env ? std::atoll(env) : fallback, lo, hi);
 }
-int64_t lane_tiles() {
-  static const int64_t n = [] {
-    const int64_t v = env_int("MVLLM_INT8_TILES", 1, 1, 4);
-    return v == 3 ? 2 : v;
-  }();
-  return n;
-}
-// MVLLM_INT8_HINT: 0 prefetches into L1 (the default), 1 into L2, 2 into L3 (_MM_HINT_T0/T1/T2).
-int64_t prefetch_hint() {
-  static const int64_t n = env_int("MVLLM_INT8_HINT", 0, 0, 2);
-  return n;
-}
-std::atomic<int64_t>& prefetch_ahead() {  // knob("prefetch", bytes) in a running process
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_PREFETCH", 4096, 0, 1 << 16) / 64 * 64};
-  return n;
-}
-int64_t prefetch_bytes() { return prefetch_ahead().load(std::memory_order_relaxed); }
+// Bytes ahead of each weight stream the AVX-512 lanes kernels prefetch into L1 (eight groups of a tile): the fastest
+// decode of the distances tried; more tiles at once or L2 were no better (results/profile/README.md).
+constexpr int64_t kPrefetchBytes = 4096;
 
 #if defined(__AVX512BW__)
 constexpr int kMaxLaneRows = 8;  // 8 rows' accumulators and totals, 16 of 32 registers
-// Rows [r0, r0 + R) x tiles [t0, t0 + T): T streams of weights at once.
-template <int R, int T = 1>
-void lanes_block(const Problem& p, int64_t r0, int64_t t0) {
-  constexpr int A = std::max(1, (R == 1 ? 4 : R == 2 ? 2 : 1) / T);  // independent accumulators a row and tile
-  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes(), hint = prefetch_hint();
-  const int8_t* w[T];
-  const uint16_t* sc[T];
-  for (int u = 0; u < T; ++u) w[u] = p.q + (t0 + u) * kLaneOuts * p.in, sc[u] = p.scales16 + (t0 + u) * kLaneOuts * ng;
+// Rows [r0, r0 + R) x tile t.
+template <int R>
+void lanes_block(const Problem& p, int64_t r0, int64_t t) {
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent accumulators a row
+  const int64_t ng = p.groups(), group = p.group;
+  const int8_t* w = p.q + t * kLaneOuts * p.in;
+  const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
   const int16_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.xq + (r0 + r) * p.in;
-  __m512 total[T][R];
-  for (int u = 0; u < T; ++u)
-    for (int r = 0; r < R; ++r) total[u][r] = _mm512_setzero_ps();
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m512i acc[T][R][A];
-    for (int u = 0; u < T; ++u)
-      for (int r = 0; r < R; ++r)
-        for (int a = 0; a < A; ++a) acc[u][r][a] = _mm512_setzero_si512();
-    if (ahead)
-      for (int u = 0; u < T; ++u)
-        for (int64_t b = 0; b < kLaneOuts * group; b += 64) {
-          const char* line = reinterpret_cast<const char*>(w[u] + ahead + b);
-          if (hint == 0) _mm_prefetch(line, _MM_HINT_T0);
-          else if (hint == 1) _mm_prefetch(line, _MM_HINT_T1);
-          else _mm_prefetch(line, _MM_HINT_T2);
-        }
+    __m512i acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < kLaneOuts * group; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + b), _MM_HINT_T0);
     for (int64_t k = 0; k < group; k += 2 * A) {
       for (int a = 0; a < A; ++a) {
         __m512i xv[R];
         for (int r = 0; r < R; ++r) xv[r] = _mm512_set1_epi32(pair(x[r] + k + 2 * a));
-        for (int u = 0; u < T; ++u) {
-          const __m512i wv = _mm512_cvtepi8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[u] + (k + 2 * a) * kLaneOuts)));
-          for (int r = 0; r < R; ++r) {
+        const __m512i wv =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + 2 * a) * kLaneOuts)));
+        for (int r = 0; r < R; ++r) {
 #if defined(__AVX512VNNI__)
-            acc[u][r][a] = _mm512_dpwssd_epi32(acc[u][r][a], wv, xv[r]);
+          acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], wv, xv[r]);
 #else
-            acc[u][r][a] = _mm512_add_epi32(acc[u][r][a], _mm512_madd_epi16(wv, xv[r]));
+          acc[r][a] = _mm512_add_epi32(acc[r][a], _mm512_madd_epi16(wv, xv[r]));
 #endif
-          }
         }
       }
     }
-    for (int u = 0; u < T; ++u) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc[u] + g * kLaneOuts)));
-      for (int r = 0; r < R; ++r) {
-        __m512i sum = acc[u][r][0];
-        for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[u][r][a]);
-        total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[u][r]);
-      }
-      w[u] += kLaneOuts * group;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kLaneOuts)));
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = acc[r][0];
+      for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[r][a]);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[r]);
     }
+    w += kLaneOuts * group;
     for (int r = 0; r < R; ++r) x[r] += group;
   }
-  for (int u = 0; u < T; ++u)
-    for (int r = 0; r < R; ++r) {
-      const int64_t t = t0 + u;
-      __m512 v = _mm512_mul_ps(total[u][r], _mm512_set1_ps(p.xs[r0 + r]));
-      if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
-      _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
-    }
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_mul_ps(total[r], _mm512_set1_ps(p.xs[r0 + r]));
+    if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + t * kLaneOuts));
+    _mm512_storeu_ps(p.y + (r0 + r) * p.out + t * kLaneOuts, v);
+  }
 }
 #elif defined(__AVX2__) && defined(__F16C__)
 constexpr int kMaxLaneRows = 4;  // 4 rows x 2 halves of accumulators and totals, 16 registers
@@ -477,15 +435,8 @@ struct Lanes {
   static void run(const Problem& p, int64_t r0, int64_t t) { lanes_block<R>(p, r0, t); }
 };
 
-// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles), kMaxLaneRows rows at a time; with AVX-512 and 1-2 rows,
-// lane_tiles() tiles at once.
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles), a tile at a time, kMaxLaneRows rows at a time.
 void lanes(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-#if defined(__AVX512BW__)
-  if (rows <= 2 && tiles > 1 && tiles == lane_tiles()) {
-    if (tiles == 2) return rows == 1 ? lanes_block<1, 2>(p, r0, t0) : lanes_block<2, 2>(p, r0, t0);
-    return rows == 1 ? lanes_block<1, 4>(p, r0, t0) : lanes_block<2, 4>(p, r0, t0);
-  }
-#endif
   for (int64_t t = t0; t < t0 + tiles; ++t)
     for (int64_t r = r0; r < r0 + rows; r += kMaxLaneRows)
       lane_rows<Lanes>(p, r, std::min<int64_t>(kMaxLaneRows, r0 + rows - r), t);
@@ -503,53 +454,23 @@ void lanes(const Problem&, int64_t, int64_t, int64_t, int64_t) {}
 // one scale per row and group (absmax / 127, as llama.cpp's Q8_0 activations); the offset's 128 * sum(x) per row
 // and group (x8c) is taken off each group's int32 sum, which is exact, so a row's result does not depend on its
 // batch. The group's sum times the 16 weight scales times the row's group scale adds to the total.
-constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 above gemm_min() rows: 12 accumulators, 12 totals
+constexpr int kGemmRows = 4, kGemmTiles = 3;  // lanes8 from kGemmMin rows: 12 accumulators, 12 totals
+// The fewest rows that take the blocks of kGemmTiles tiles; fewer take one tile at a time, all their rows a pass.
+constexpr int64_t kGemmMin = 8;
 constexpr int64_t kAmxRows = 16;              // AMX (below): the rows of a tile
-// Calls of more rows than this take AMX tiles; up to it the VNNI blocks stay. A call's rows go in passes of 16 (one A
-// tile) and the rows left, up to this many, on the VNNI blocks block by block (more, in a pass of their own, its tile
-// configured to them), so a 20-row call reads each block from memory once (amx_rows_mode(), below).
-// MVLLM_INT8_AMX_ABOVE sets it (default 8); knob("amx_above", n) in a running process.
-std::atomic<int64_t>& amx_above() {
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_AMX_ABOVE", 8, 0, int64_t{1} << 40)};
-  return n;
-}
-// Groups whose AMX products lanes8_amx finishes together (MVLLM_INT8_FINISH, default 4; 1: a group at a time, the
-// totals loaded and stored each group; knob("finish", n), 1-8). On the H200 machine's Xeon, 4 took 0.955x the time
-// of 1 in a warm prefill at 8 threads, 0.984x at 16, 0.960x in a cold prefill of 516 tokens at 8 (same process); 8
-// was no better (results/profile/README.md).
-std::atomic<int64_t>& finish_groups() {
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_FINISH", 4, 1, 8)};
-  return n;
-}
-
-// How a call's rows split into AMX passes (MVLLM_INT8_AMX_ROWS; knob("amx_rows", n)): 1 (the default), passes of 16
-// rows (one A tile), and the rows past the last 16, where no more than amx_above(), on the VNNI blocks block by block,
-// both tiles of a block at once (20 rows: 16 on the tiles, 4 on VNNI, each block read from memory once); 0, passes of
-// 32 in two A tiles (20: 16 + 4), as before. The bits are the same either way (every row is finished by the same
-// float steps). On the H200 machine's Xeon, same process, passes of 16 against 0: a step's linears with their weights
-// in cache at 32 rows 0.82x the time at 8 and 16 threads; at 20 rows (the rest on VNNI a tile at a time) 0.96x (8
-// threads) and 0.89x (16), a warm prefill 0.981x and 0.952x; both tiles at once against a tile at once, on another
-// host, 0.96-0.97x at 20 rows in cache and 0.980x a warm prefill at 8 threads, level at 16. Two A tiles of half the
-// rows each (20: 10 + 10) were no better than 0 (results/profile/README.md).
-std::atomic<int64_t>& amx_rows_mode() {
-  static std::atomic<int64_t> v{env_int("MVLLM_INT8_AMX_ROWS", 1, 0, 1)};
-  return v;
-}
-
-// MVLLM_INT8_GEMM_MIN: the fewest rows that take the blocks of kGemmTiles tiles (default 8; same-run experiments).
-int64_t gemm_min() {
-  static const int64_t n = env_int("MVLLM_INT8_GEMM_MIN", 8, 1, int64_t{1} << 40);
-  return n;
-}
-// Calls of several passes over a block of weights (lanes8_gemm's kGemmRows rows, AMX's 32, a pass each) read the
+// Calls of more rows than this take AMX tiles: decode's few rows are faster on the VNNI blocks
+// (results/profile/README.md). A call's rows go in passes of 16 (one A tile; passes of 32 in two were slower), and
+// the rows past the last 16, where no more than this, on the VNNI blocks block by block, both tiles of a block at
+// once (20 rows: 16 on the tiles, 4 on VNNI, each block read from memory once).
+constexpr int64_t kAmxAbove = 8;
+// Groups whose AMX products lanes8_amx finishes together, the totals kept in registers through them: faster than
+// one group at a time, and 8 no better (results/profile/README.md).
+constexpr int64_t kFinishGroups = 4;
+// Calls of several passes over a block of weights (lanes8_gemm's kGemmRows rows, AMX's 16, a pass each) read the
 // block from memory in the first pass and from L2 in the others, so memory would idle while they compute: each
 // pass instead prefetches (into L2) its share of the next block, which is the next bytes of q, and the first pass
-// finds it there. A call of one pass (AMX's up to 32 rows) prefetches the whole next block, so that it computes
-// on one block while the next streams in. MVLLM_INT8_STAGE=0 turns it off; knob("stage", 0 or 1) in a running process.
-std::atomic<int64_t>& stage_next() {
-  static std::atomic<int64_t> on{env_int("MVLLM_INT8_STAGE", 1, 0, 1)};
-  return on;
-}
+// finds it there. A call of one pass prefetches the whole next block, so that it computes on one block while the
+// next streams in.
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kHasLanes8 = true;
@@ -567,7 +488,6 @@ struct Stage {
 };
 // Pass `i` of `passes` over a block of `bytes` of weights at w (groups ng): its share of the next block's.
 Stage stage(const Problem& p, const uint8_t* w, int64_t bytes, int64_t i, int64_t passes) {
-  if (!stage_next().load(std::memory_order_relaxed)) return {};
   const int64_t ng = p.groups(), per_group = (bytes + passes * ng * 64 - 1) / (passes * ng * 64) * 64;
   return {w + bytes + i * ng * per_group, p.q8 + p.out * p.in, per_group};
 }
@@ -582,7 +502,7 @@ inline int32_t quad(const int8_t* x) {
 template <int R>
 void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
   constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent accumulators a row: 4 * A inputs a step
-  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
+  const int64_t ng = p.groups(), group = p.group;
   const uint8_t* w = p.q8 + t * kLaneOuts * p.in;
   const uint16_t* sc = p.scales16 + t * kLaneOuts * ng;
   const int8_t* x[R];
@@ -593,9 +513,8 @@ void lanes8_block(const Problem& p, int64_t r0, int64_t t) {
     __m512i acc[R][A];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_si512();
-    if (ahead)
-      for (int64_t b = 0; b < kLaneOuts * group; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + b), _MM_HINT_T0);
+    for (int64_t b = 0; b < kLaneOuts * group; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + b), _MM_HINT_T0);
     for (int64_t k = 0; k < group; k += 4 * A)
       for (int a = 0; a < A; ++a) {
         const __m512i wv = _mm512_loadu_si512(w + (k + 4 * a) * kLaneOuts);
@@ -626,14 +545,14 @@ struct Lanes8 {
 };
 
 // Rows [r0, r0 + R) x tiles [t0, t0 + T). A step of 4 inputs loads T weight vectors and R broadcasts for R * T
-// vpdpbusd: at 1 tile R + 1 loads for R; at 4 rows x 3 tiles (kGemmRows x kGemmTiles, from gemm_min() rows) 7 for
-// 12 (a cold 20-token prompt about 5% faster on a 2-vCPU AMD EPYC). Every (row, output, group) gets the same integer
-// sum and the same float steps whatever R and T, so a row's result does not depend on its batch. (lanes8_block<R> is
-// this at T = 1, kept apart: with the general loops GCC spilled 8 rows' accumulators to the stack.)
+// vpdpbusd: at 1 tile R + 1 loads for R; at 4 rows x 3 tiles (kGemmRows x kGemmTiles, from kGemmMin rows) 7 for
+// 12. Every (row, output, group) gets the same integer sum and the same float steps whatever R and T, so a row's
+// result does not depend on its batch. (lanes8_block<R> is this at T = 1, kept apart: with the general loops GCC
+// spilled 8 rows' accumulators to the stack.)
 template <int R, int T>
 void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0, const Stage& next) {
   constexpr int A = R * T == 1 ? 4 : R * T == 2 ? 2 : 1;  // independent accumulators a row and tile
-  const int64_t ng = p.groups(), group = p.group, ahead = prefetch_bytes();
+  const int64_t ng = p.groups(), group = p.group;
   const uint8_t* w[T];
   const uint16_t* sc[T];
   for (int j = 0; j < T; ++j) {
@@ -650,10 +569,9 @@ void lanes8_gemm(const Problem& p, int64_t r0, int64_t t0, const Stage& next) {
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < T; ++j)
         for (int a = 0; a < A; ++a) acc[r][j][a] = _mm512_setzero_si512();
-    if (ahead)
-      for (int j = 0; j < T; ++j)
-        for (int64_t b = 0; b < kLaneOuts * group; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + b), _MM_HINT_T0);
+    for (int j = 0; j < T; ++j)
+      for (int64_t b = 0; b < kLaneOuts * group; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchBytes + b), _MM_HINT_T0);
     next.group(g);
     for (int64_t k = 0; k < group; k += 4 * A) {
 #pragma GCC unroll 4
@@ -706,7 +624,7 @@ void gemm_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stag
 // of 64 bytes (4 inputs x 16 outputs), is B; kAmxRows activation rows of the group (int8, row stride `in`) are A;
 // one tdpbsud (A signed, B unsigned) gives the 16 x 16 int32 sums vpdpbusd gives, exactly. They are stored and
 // finished by the same float steps as lanes8_block, so a row's result is the same bits on either path. Used in calls
-// of more than amx_above() rows, in passes of up to 16 rows over blocks of 2 tiles (then 1), where the build has AMX,
+// of more than kAmxAbove rows, in passes of up to 16 rows over blocks of 2 tiles (then 1), where the build has AMX,
 // Linux grants the tile state (arch_prctl), the group fits one tile (<= 64 inputs) and MVLLM_INT8_AMX is not 0.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)
@@ -717,92 +635,81 @@ bool amx_permitted() {  // the kernel's permission for this process to use the t
   return ok;
 }
 
-// Tiles 0-3: sums (rows x 16 int32; 0, 1 the first A tile's rows m1, 2, 3 the second's, m2); 4, 5: activations
-// (m1 and m2 rows x group bytes); 6, 7: weights (group / 4 rows of 64 bytes). Each thread keeps the shape it loaded,
-// so a pass of another row count loads a new configuration only when the shape changes.
+// Tiles 0, 1: sums (rows x 16 int32, a weight tile each); 4: activations (rows x group bytes); 6, 7: weights (group /
+// 4 rows of 64 bytes); 2, 3 and 5 take the shapes of 0 and 4. Each thread keeps the shape it loaded, so a pass of
+// another row count loads a new configuration only when the rows change.
 struct AmxShape {
-  int64_t group = 0, m1 = 0, m2 = 0;
+  int64_t group = 0, rows = 0;
 };
 thread_local AmxShape amx_shape;
-void amx_configure(int64_t m1, int64_t m2) {
+void amx_configure(int64_t rows) {
   AmxShape& now = amx_shape;
-  if (now.m1 == m1 && now.m2 == m2) return;
+  if (now.rows == rows) return;
   TileConfig c;
-  const int64_t m[2] = {m1, m2 > 0 ? m2 : m1};  // an unused second A tile keeps a valid shape
-  for (int t = 0; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(m[t / 2]), c.colsb[t] = 64;
-  for (int t : {4, 5}) c.rows[t] = static_cast<uint8_t>(m[t - 4]), c.colsb[t] = static_cast<uint16_t>(now.group);
+  for (int t = 0; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;
+  for (int t : {4, 5}) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = static_cast<uint16_t>(now.group);
   for (int t : {6, 7}) c.rows[t] = static_cast<uint8_t>(now.group / 4), c.colsb[t] = 64;
   load_tile_config(c);
-  now.m1 = m1, now.m2 = m2;
+  now.rows = rows;
 }
-void amx_begin(int64_t group) { amx_shape = {group, 0, 0}; }
+void amx_begin(int64_t group) { amx_shape = {group, 0}; }
 void amx_end() {
-  if (amx_shape.m1) _tile_release();
+  if (amx_shape.rows) _tile_release();
   amx_shape = {};
 }
 
-// Rows [r0, r0 + m1 + m2) x tiles [t, t + TB), in RB A tiles of m1 and m2 rows (RB 2, or 1 with m2 = 0, each at
-// most 16; the tiles configured so) and TB 1 or 2: each group's RB x TB products go to sum tiles 0-3 and are
-// stored, a chunk of `chunk` groups at a time; then each row's totals are loaded once, take the chunk's groups in
-// order in registers (the float steps of lanes8_block, so the same bits), and are stored once. The next chunk's
-// products are issued before a chunk's float steps, so the tiles and the vector units work at once.
-template <int RB, int TB>
-void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t, const Stage& next, int64_t chunk) {
-  constexpr int64_t kMaxChunk = 8;
-  const int64_t ng = p.groups(), in = p.in, group = p.group, m[2] = {m1, m2};
+// Rows [r0, r0 + m) (m <= 16, the tiles configured so) x tiles [t, t + TB), TB 1 or 2: each group's TB products go
+// to sum tiles 0 and 1 and are stored, kFinishGroups groups at a time; then each row's totals are loaded once, take
+// those groups in order in registers (the float steps of lanes8_block, so the same bits), and are stored once. The
+// next groups' products are issued before these groups' float steps, so the tiles and the vector units work at once.
+template <int TB>
+void lanes8_amx(const Problem& p, int64_t r0, int64_t m, int64_t t, const Stage& next) {
+  constexpr int64_t chunk = kFinishGroups;
+  const int64_t ng = p.groups(), in = p.in, group = p.group;
   const uint8_t* w0 = p.q8 + t * kLaneOuts * in;
   const uint8_t* w1 = w0 + kLaneOuts * in;
   const int8_t* x0 = p.x8 + r0 * in;
-  const int8_t* x1 = x0 + m1 * in;
   // GCC 12's tileloadd asm names no memory it reads: every store to the activations and weights is made first.
   asm volatile("" : : : "memory");
-  alignas(64) int32_t sums[2][kMaxChunk][RB * TB][kAmxRows * kLaneOuts];
-  alignas(64) float total[RB * kAmxRows][TB * kLaneOuts] = {};
-  auto products = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
+  alignas(64) int32_t sums[2][chunk][TB][kAmxRows * kLaneOuts];
+  alignas(64) float total[kAmxRows][TB * kLaneOuts] = {};
+  auto products = [&](int64_t g0, int32_t (*c)[TB][kAmxRows * kLaneOuts]) {
     for (int64_t g = g0; g < std::min(ng, g0 + chunk); ++g) {
       int32_t (*out)[kAmxRows * kLaneOuts] = c[g - g0];
       _tile_zero(0);
       if constexpr (TB == 2) _tile_zero(1);
-      if constexpr (RB == 2) _tile_zero(2);
-      if constexpr (RB == 2 && TB == 2) _tile_zero(3);
       _tile_loadd(4, x0 + g * group, in);
-      if constexpr (RB == 2) _tile_loadd(5, x1 + g * group, in);
       _tile_loadd(6, w0 + g * kLaneOuts * group, 64);
       if constexpr (TB == 2) _tile_loadd(7, w1 + g * kLaneOuts * group, 64);
       _tile_dpbsud(0, 4, 6);
       if constexpr (TB == 2) _tile_dpbsud(1, 4, 7);
-      if constexpr (RB == 2) _tile_dpbsud(2, 5, 6);
-      if constexpr (RB == 2 && TB == 2) _tile_dpbsud(3, 5, 7);
       _tile_stored(0, out[0], 64);
       if constexpr (TB == 2) _tile_stored(1, out[1], 64);
-      if constexpr (RB == 2) _tile_stored(2, out[TB], 64);
-      if constexpr (RB == 2 && TB == 2) _tile_stored(3, out[3], 64);
       next.group(g);
     }
   };
-  auto finish = [&](int64_t g0, int32_t (*c)[RB * TB][kAmxRows * kLaneOuts]) {
+  auto finish = [&](int64_t g0, int32_t (*c)[TB][kAmxRows * kLaneOuts]) {
     const int64_t n = std::min(ng, g0 + chunk) - g0;
-    __m512 s[kMaxChunk][TB];
+    __m512 s[chunk][TB];
     for (int64_t k = 0; k < n; ++k)
       for (int j = 0; j < TB; ++j)
         s[k][j] = _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales16 + ((t + j) * ng + g0 + k) * kLaneOuts)));
-    for (int i = 0; i < RB; ++i)
-      for (int64_t r = 0; r < m[i]; ++r) {
-        const int64_t row = r0 + i * m1 + r;
-        float* tot = total[i * kAmxRows + r];
-        __m512 acc[TB];
-        for (int j = 0; j < TB; ++j) acc[j] = _mm512_load_ps(tot + j * kLaneOuts);
-        for (int64_t k = 0; k < n; ++k) {
-          const __m512i off = _mm512_set1_epi32(p.x8c[row * ng + g0 + k]);
-          const __m512 xs = _mm512_set1_ps(p.x8s[row * ng + g0 + k]);
-          for (int j = 0; j < TB; ++j) {
-            const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[k][i * TB + j] + r * kLaneOuts), off);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[k][j], xs), acc[j]);
-          }
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t row = r0 + r;
+      float* tot = total[r];
+      __m512 acc[TB];
+      for (int j = 0; j < TB; ++j) acc[j] = _mm512_load_ps(tot + j * kLaneOuts);
+      for (int64_t k = 0; k < n; ++k) {
+        const __m512i off = _mm512_set1_epi32(p.x8c[row * ng + g0 + k]);
+        const __m512 xs = _mm512_set1_ps(p.x8s[row * ng + g0 + k]);
+        for (int j = 0; j < TB; ++j) {
+          const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c[k][j] + r * kLaneOuts), off);
+          acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[k][j], xs), acc[j]);
         }
-        for (int j = 0; j < TB; ++j) _mm512_store_ps(tot + j * kLaneOuts, acc[j]);
       }
+      for (int j = 0; j < TB; ++j) _mm512_store_ps(tot + j * kLaneOuts, acc[j]);
+    }
   };
   products(0, sums[0]);
   int64_t b = 0;
@@ -811,37 +718,31 @@ void lanes8_amx(const Problem& p, int64_t r0, int64_t m1, int64_t m2, int64_t t,
     finish(g0 - chunk, sums[b]);
   }
   finish((ng - 1) / chunk * chunk, sums[b]);
-  for (int i = 0; i < RB; ++i)
-    for (int64_t r = 0; r < m[i]; ++r)
-      for (int j = 0; j < TB; ++j) {
-        __m512 v = _mm512_load_ps(total[i * kAmxRows + r] + j * kLaneOuts);
-        if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
-        _mm512_storeu_ps(p.y + (r0 + i * m1 + r) * p.out + (t + j) * kLaneOuts, v);
-      }
+  for (int64_t r = 0; r < m; ++r)
+    for (int j = 0; j < TB; ++j) {
+      __m512 v = _mm512_load_ps(total[r] + j * kLaneOuts);
+      if (p.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(p.bias + (t + j) * kLaneOuts));
+      _mm512_storeu_ps(p.y + (r0 + r) * p.out + (t + j) * kLaneOuts, v);
+    }
 }
 
-// One pass over tiles [t, t + TB) for rows [r0, r0 + rows), rows 1-32: two A tiles above 16 rows, else one.
+// One pass over tiles [t, t + TB) for rows [r0, r0 + rows), rows 1-16: one A tile.
 template <int TB>
 void amx_pass(const Problem& p, int64_t r0, int64_t rows, int64_t t, const Stage& next) {
-  const int64_t m1 = std::min(rows, kAmxRows), m2 = rows - m1;
-  amx_configure(m1, m2);
-  const int64_t chunk = finish_groups().load(std::memory_order_relaxed);
-  if (m2) lanes8_amx<2, TB>(p, r0, m1, m2, t, next, chunk);
-  else lanes8_amx<1, TB>(p, r0, m1, 0, t, next, chunk);
+  amx_configure(rows);
+  lanes8_amx<TB>(p, r0, rows, t, next);
 }
 
-// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 16 rows (32 with amx_rows_mode() 0) over blocks
-// of 2 tiles (then 1); with mode 1 the rows past the last 16, up to amx_above(), on the VNNI blocks, block by block.
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles) in passes of up to 16 rows over blocks of 2 tiles (then 1); the rows
+// past the last 16, where no more than kAmxAbove, on the VNNI blocks, block by block.
 void amx_rows(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
-  const bool sixteens = amx_rows_mode().load(std::memory_order_relaxed) == 1;
-  const int64_t pair = sixteens ? kAmxRows : 2 * kAmxRows;
-  const int64_t left = rows % kAmxRows, vnni = std::min<int64_t>(amx_above().load(), kMaxLaneRows);
-  const int64_t rest = sixteens && rows > kAmxRows && left <= vnni ? left : 0;
-  const int64_t tiled = rows - rest, passes = (tiled + pair - 1) / pair;
+  const int64_t left = rows % kAmxRows, vnni = std::min<int64_t>(kAmxAbove, kMaxLaneRows);
+  const int64_t rest = rows > kAmxRows && left <= vnni ? left : 0;
+  const int64_t tiled = rows - rest, passes = (tiled + kAmxRows - 1) / kAmxRows;
   for (int64_t t = t0; t < t0 + tiles; t += 2) {
     const int64_t n = std::min<int64_t>(2, t0 + tiles - t), bytes = n * kLaneOuts * p.in;
     for (int64_t i = 0; i < passes; ++i) {
-      const int64_t r = r0 + i * pair, m = std::min(pair, r0 + tiled - r);
+      const int64_t r = r0 + i * kAmxRows, m = std::min(kAmxRows, r0 + tiled - r);
       const Stage next = stage(p, p.q8 + t * kLaneOuts * p.in, bytes, i, passes);
       if (n == 2) amx_pass<2>(p, r, m, t, next);
       else amx_pass<1>(p, r, m, t, next);
@@ -867,12 +768,12 @@ bool amx_on(int64_t group) {
   return on && group <= 64 && group % 16 == 0;
 }
 
-// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles): above gemm_min() rows kGemmTiles tiles at a time, kGemmRows rows
+// Rows [r0, r0 + rows) x tiles [t0, t0 + tiles): from kGemmMin rows kGemmTiles tiles at a time, kGemmRows rows
 // at a time; else (and for the tiles left over) one tile, kMaxLaneRows rows at a time.
 void lanes8(const Problem& p, int64_t r0, int64_t rows, int64_t t0, int64_t tiles) {
   if (p.amx) return amx_rows(p, r0, rows, t0, tiles);
   int64_t t = t0;
-  if (p.rows >= gemm_min())
+  if (p.rows >= kGemmMin)
     for (; t + kGemmTiles <= t0 + tiles; t += kGemmTiles) {
       const int64_t passes = (rows + kGemmRows - 1) / kGemmRows, bytes = kGemmTiles * kLaneOuts * p.in;
       for (int64_t i = 0; i < passes; ++i)
@@ -951,30 +852,24 @@ struct Int {
 #if defined(__AVX512F__)
 template <int R>
 struct Avx512 {
-  static void run(const Problem& p, int64_t r0, int64_t o) { block_avx512<R, 1>(p, r0, o); }
+  static void run(const Problem& p, int64_t r0, int64_t o) { block_avx512<R>(p, r0, o); }
 };
 #endif
 
-// Which path runs, MVLLM_INT8_PATH (read once; for same-run comparisons, experiments/probes/cpu_int8_speed.py --paths):
-// "lanes8" (the lanes8 layout: int8 activations per group, AVX-512 VNNI), "lanes" (the lanes layout, int16
-// activations; Int8Linear packs its weights for the path's layout at load, asking layout()), "int16" (int16
-// activations, one weight row at a time, wherever the group is a multiple of kStep), "float" (float32
-// activations, one weight row streaming at a time), "float4" or "float8" (AVX-512 only: four or eight
-// interleaved weight rows with software prefetch, MVLLM_INT8_AHEAD blocks ahead, default 1). Unset or anything
-// else: the default, lanes8 where it is built (on the H200 machine's Xeon, one call, 8 threads: 0.61-0.85x
-// lanes's time at 1 row, 0.64-0.81x at 4, 0.53-0.63x at 16), else lanes (AVX2 or AVX-512BW without VNNI: on the
-// Xeon 0.71-0.94x float4's time at 1-8 rows and 8 threads; on an AVX2 machine 0.81-0.86x int16's), else int16
-// (NEON, plain loops). lanes8 asked where it is not built gives lanes. A packed q (3-D) always takes its layout's
-// kernel: uint8 lanes8, int8 lanes.
-enum class Path { kInt16, kFloat, kFloat4, kFloat8, kLanes, kLanes8 };
+// Which path runs, MVLLM_INT8_PATH (read once; for tests and same-run comparisons): "lanes8" (the lanes8 layout: int8
+// activations per group, AVX-512 VNNI), "lanes" (the lanes layout, int16 activations; Int8Linear packs its weights
+// for the path's layout at load, asking layout()), "int16" (int16 activations, one weight row at a time, wherever
+// the group is a multiple of kStep) or "float" (float32 activations, one weight row streaming at a time). Unset or
+// anything else: the fastest built, lanes8, else lanes (AVX2 or AVX-512BW without VNNI), else int16 (NEON, plain
+// loops) (results/profile/README.md). lanes8 asked where it is not built gives lanes. A packed q (3-D) always takes
+// its layout's kernel: uint8 lanes8, int8 lanes.
+enum class Path { kInt16, kFloat, kLanes, kLanes8 };
 Path path() {
   static const Path chosen = [] {
     const char* env = std::getenv("MVLLM_INT8_PATH");
     const std::string v = env ? env : "";
     if (v == "int16") return Path::kInt16;
     if (v == "float") return Path::kFloat;
-    if (v == "float4") return Path::kFloat4;
-    if (v == "float8") return Path::kFloat8;
     if (v == "lanes" && kHasLanes) return Path::kLanes;
     if (v == "lanes8" && kHasLanes8) return Path::kLanes8;
     if (v == "lanes" || v == "lanes8") return kHasLanes ? Path::kLanes : Path::kInt16;
@@ -984,17 +879,6 @@ Path path() {
   }();
   return chosen;
 }
-int64_t ahead_blocks() {
-  static const int64_t n = [] {
-    const char* env = std::getenv("MVLLM_INT8_AHEAD");
-    const int64_t v = env ? std::atoll(env) : 1;
-    return std::clamp<int64_t>(v, 1, 16);
-  }();
-  return n;
-}
-#if defined(__AVX512F__)
-bool interleaved() { return path() == Path::kFloat4 || path() == Path::kFloat8; }
-#endif
 bool int16_rows(int64_t group) { return path() == Path::kInt16 && group % kStep == 0; }
 // Whether weights of this group size are packed in a lanes layout at load, and in which (cpu_int8.pack asks).
 bool packs8(int64_t group) { return path() == Path::kLanes8 && group % 16 == 0; }
@@ -1005,7 +889,7 @@ std::string layout(int64_t group) { return packs8(group) ? "lanes8" : packs(grou
 std::string path_name(int64_t group) {
   if (packs8(group))
     return std::string("lanes8 (int8 per group, AVX-512 VNNI vpdpbusd, 16 outputs a vector") +
-           (amx_on(group) ? "; AMX tiles above " + std::to_string(amx_above().load()) + " rows)" : ")");
+           (amx_on(group) ? "; AMX tiles above " + std::to_string(kAmxAbove) + " rows)" : ")");
   if (packs(group)) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return "lanes (int16, AVX-512 VNNI vpdpwssd, 16 outputs a vector)";
@@ -1029,9 +913,6 @@ std::string path_name(int64_t group) {
 #endif
   }
 #if defined(__AVX512F__)
-  if (group % 16 == 0 && interleaved())
-    return std::string(path() == Path::kFloat8 ? "float8 (AVX-512, 8" : "float4 (AVX-512, 4") +
-           " interleaved rows, prefetch " + std::to_string(ahead_blocks()) + " block(s) ahead)";
   if (group % 16 == 0) return "float (AVX-512)";
 #endif
   return "float (vector extensions)";
@@ -1039,7 +920,7 @@ std::string path_name(int64_t group) {
 
 // Rows [r0, r0 + rows) x outputs [o0, o0 + outs), outs <= p.block, one output at a time in tiles of 4, 2 or 1
 // rows through kernel K (block_portable, float32 activations; or block_int): one weight row streams at a time,
-// which the hardware prefetcher follows (on the AVX2 machine, 4 interleaved rows ran at 7.5 GB/s, 1 at 11.6).
+// which the hardware prefetcher follows (faster than 4 interleaved rows on an AVX2 machine).
 template <template <int> class K>
 void tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   for (int64_t r = r0; r < r0 + rows;) {
@@ -1057,67 +938,36 @@ void tiles(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs)
   }
 }
 
-#if defined(__AVX512F__)
-// block_avx512<R, B> for the runtime row count; R up to kMaxRows(B) keeps all accumulators in registers.
-constexpr int kMaxRows(int B) { return B >= 8 ? 2 : B >= 4 ? 4 : 8; }
-
-template <int B, int R = 1>
-void block_rows(const Problem& p, int64_t r0, int64_t rows, int64_t o0) {
-  if constexpr (R <= kMaxRows(B)) {
-    if (rows == R) return block_avx512<R, B>(p, r0, o0);
-    block_rows<B, R + 1>(p, r0, rows, o0);
-  }
-}
-
-// p.block (4 or 8) interleaved weight rows at once where their accumulators fit in registers, else 4, 2 and 1.
-void block_interleaved(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
-  if (outs == 8 && rows <= kMaxRows(8)) return block_rows<8>(p, r0, rows, o0);
-  int64_t o = o0;
-  if (rows <= kMaxRows(4))
-    for (; o + 4 <= o0 + outs; o += 4) block_rows<4>(p, r0, rows, o);
-  for (; o + 2 <= o0 + outs; o += 2) block_rows<2>(p, r0, rows, o);
-  if (o < o0 + outs) block_rows<1>(p, r0, rows, o);
-}
-#endif
-
 void block(const Problem& p, int64_t r0, int64_t rows, int64_t o0, int64_t outs) {
   if (p.q8) return lanes8(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.lanes) return lanes(p, r0, rows, o0 / kLaneOuts, (outs + kLaneOuts - 1) / kLaneOuts);
   if (p.xq) return tiles<Int>(p, r0, rows, o0, outs);
 #if defined(__AVX512F__)
-  if (p.group % 16 == 0)
-    return interleaved() ? block_interleaved(p, r0, rows, o0, outs) : tiles<Avx512>(p, r0, rows, o0, outs);
+  if (p.group % 16 == 0) return tiles<Avx512>(p, r0, rows, o0, outs);
 #endif
   tiles<Float>(p, r0, rows, o0, outs);
 }
 
-// Each thread takes a range of output blocks. A decode step (a few rows) streams each block once for all rows. With more rows (prefill) the thread applies one
-// tile of rows to its whole range before the next tile, so its slice of the weights is read once per tile:
-// kRowTile rows of float activations (their accumulators in registers), or as many int16 (int8) rows as fit in
-// kIntRowBytes (the int path's tiles<> walks them 4 at a time per output row, which stays in L1, while the rows'
-// copy stays in L2): at 20 rows, one pass over the weights instead of three. Every row gets the same arithmetic
-// whatever the row count: the accumulation order of y[r, o] depends only on the input size, so a request's result
-// does not depend on what shares its batch.
-// How a call's output blocks are shared among threads: chunks per thread, each thread claiming the next chunk
-// until none are left (0: one even range per thread, at::parallel_for's split). A thread the host slows (its vCPU
-// sharing a core, or descheduled) then takes fewer chunks instead of holding up the rest, as ggml's matmul does
-// with its chunk counter. Chunks are whole blocks of at least kChunkBytes of weights, so each still streams;
-// which thread computes an output changes nothing in its arithmetic. MVLLM_INT8_CHUNKS sets it (default 8);
-// knob("chunks", n) changes it in a running process, for same-process comparisons (cpu_int8_speed.py --knobs).
+// Each thread takes a range of output blocks. A decode step (a few rows) streams each block once for all rows. With
+// more rows (prefill) the thread applies one tile of rows to its whole range before the next tile, so its slice of
+// the weights is read once per tile: kRowTile rows of float activations (their accumulators in registers), or as
+// many int16 (int8) rows as fit in kIntRowBytes (the int path's tiles<> walks them 4 at a time per output row, which
+// stays in L1, while the rows' copy stays in L2): at 20 rows, one pass over the weights instead of three. Every row
+// gets the same arithmetic whatever the row count: the accumulation order of y[r, o] depends only on the input size,
+// so a request's result does not depend on what shares its batch.
+// How a call's output blocks are shared among threads: kChunksPerThread chunks a thread, each thread claiming the
+// next chunk until none are left (where there are too few, one even range per thread, at::parallel_for's split). A
+// thread the host slows (its vCPU sharing a core, or descheduled) then takes fewer chunks instead of holding up the
+// rest, as ggml's matmul does with its chunk counter. Chunks are whole blocks of at least kChunkBytes of weights, so
+// each still streams; which thread computes an output changes nothing in its arithmetic. 8 beat one range a thread,
+// 4 and 16 were level with it (results/profile/README.md).
+constexpr int64_t kChunksPerThread = 8;
 constexpr int64_t kChunkBytes = 64 << 10;
 constexpr int64_t kMinBand = 64;  // rows a work unit at least, where a call's rows are cut into bands (run)
-std::atomic<int64_t>& bands_on() {
-  static std::atomic<int64_t> on{env_int("MVLLM_INT8_BANDS", 1, 0, 1)};
-  return on;
-}
-std::atomic<int64_t>& chunks_per_thread() {
-  static std::atomic<int64_t> n{env_int("MVLLM_INT8_CHUNKS", 8, 0, 64)};
-  return n;
-}
 
 // The rows a pass over a block of weights applies (the rest of a call's rows in later passes; see run).
 int64_t row_tile(const Problem& p) {
-  const int64_t pair = 2 * kAmxRows;  // AMX: passes of whole blocks of 32 rows
+  const int64_t pair = 2 * kAmxRows;  // AMX: a multiple of 32 rows
   return p.xq    ? std::max<int64_t>(kRowTile, kIntRowBytes / (2 * p.in))
          : p.amx ? std::max<int64_t>(pair, kIntRowBytes / p.in / pair * pair)
          : p.x8  ? std::max<int64_t>(kRowTile, kIntRowBytes / p.in)
@@ -1137,25 +987,24 @@ void run(const Problem& p) {
   const int64_t blocks = (p.out + p.block - 1) / p.block;
   const int64_t pair = 2 * kAmxRows, tile = row_tile(p);
   const int64_t grain = std::max<int64_t>(1, kGrainOuts / p.block);
-  const int64_t threads = at::get_num_threads(), per = chunks_per_thread().load(std::memory_order_relaxed);
+  const int64_t threads = at::get_num_threads(), per = kChunksPerThread;
   const int64_t least = std::max(grain, kChunkBytes / std::max<int64_t>(1, p.block * p.in));  // blocks a chunk
   const int64_t size = std::max(least, (blocks + per * threads - 1) / std::max<int64_t>(1, per * threads));
   const int64_t n_chunks = (blocks + size - 1) / size;
   // Work units: a chunk of blocks x a band of rows (the row tile), the bands outermost. A call of many rows and
   // few chunks (a prefill through a narrow layer: 14 chunks of 64 outputs) gets narrower bands, down to kMinBand
-  // rows and while fewer than 4 units a thread, so that every thread has work to the end.
-  // MVLLM_INT8_BANDS=0 (knob "bands" 0): a chunk's bands stay with the thread that claims it, as before bands.
+  // rows and while fewer than 4 units a thread, so that every thread has work to the end (faster in prefill than a
+  // chunk's bands kept by one thread: results/profile/README.md).
   int64_t band = tile;
   const int64_t step = p.amx ? pair : kRowTile, floor_rows = std::max<int64_t>(kMinBand, step);
-  const bool banded = bands_on().load(std::memory_order_relaxed);
   auto bands_of = [&](int64_t b) { return (p.rows + b - 1) / b; };
-  while (banded && per > 0 && band > floor_rows && p.rows > floor_rows && n_chunks * bands_of(band) < 4 * threads)
+  while (band > floor_rows && p.rows > floor_rows && n_chunks * bands_of(band) < 4 * threads)
     band = std::max(floor_rows, (band / 2 + step - 1) / step * step);
-  const int64_t bands = banded ? bands_of(band) : 1, unit_rows = banded ? band : p.rows;
+  const int64_t bands = bands_of(band), unit_rows = band;
   auto unit = [&](int64_t r0, int64_t begin, int64_t end) {  // rows [r0, r0 + unit_rows) in bands
     bands_by_blocks(p, r0, std::min(p.rows, r0 + unit_rows), band, begin, end);
   };
-  if (per == 0 || threads == 1 || n_chunks * bands <= threads) {  // too few to share out unevenly: one range each
+  if (threads == 1 || n_chunks * bands <= threads) {  // too few to share out unevenly: one range each
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       if (p.amx) amx_begin(p.group);  // the tile configuration is each thread's own
       for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows) unit(r0, begin, end);
@@ -1172,20 +1021,6 @@ void run(const Problem& p) {
     }
     if (p.amx) amx_end();
   });
-}
-
-// Same-process experiments: set "chunks" (chunks per thread), "stage" (0 or 1), "amx_above" (rows), "bands" (0 or
-// 1), "prefetch" (bytes ahead) or "finish" (groups an AMX chunk); the previous value back.
-int64_t knob(const std::string& name, int64_t value) {
-  if (name == "chunks") return chunks_per_thread().exchange(std::clamp<int64_t>(value, 0, 64));
-  if (name == "amx_above") return amx_above().exchange(std::max<int64_t>(value, 0));
-  if (name == "bands") return bands_on().exchange(std::clamp<int64_t>(value, 0, 1));
-  if (name == "prefetch") return prefetch_ahead().exchange(std::clamp<int64_t>(value, 0, 1 << 16) / 64 * 64);
-  if (name == "finish") return finish_groups().exchange(std::clamp<int64_t>(value, 1, 8));
-  if (name == "amx_rows") return amx_rows_mode().exchange(std::clamp<int64_t>(value, 0, 1));
-  TORCH_CHECK(name == "stage", "int8 knobs: chunks, stage, amx_above, bands, prefetch, finish and amx_rows, got ",
-              name);
-  return stage_next().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
 // Checks a call's tensors and returns its Problem, y and the activations' int8 or int16 copy not yet set.
@@ -1231,10 +1066,8 @@ Problem problem_of(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
             quads ? q.data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, bias_ptr,
             nullptr, rows, in, out, in / groups};
   p.lanes = packed && !quads;
-  p.amx = quads && rows > amx_above().load(std::memory_order_relaxed) && amx_on(p.group);
-  if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= gemm_min() ? kGemmTiles : lane_tiles());
-  else if (path() == Path::kFloat8) p.block = 8;
-  p.ahead = p.block * ahead_blocks();
+  p.amx = quads && rows > kAmxAbove && amx_on(p.group);
+  if (packed) p.block = kLaneOuts * (p.amx ? 4 : quads && rows >= kGemmMin ? kGemmTiles : 1);
   return p;
 }
 

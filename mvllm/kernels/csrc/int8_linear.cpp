@@ -12,5 +12,4 @@ TORCH_LIBRARY(mvllm_int8, m) {
   m.def("has_lanes8() -> bool", [] { return I::kHasLanes8; });
   m.def("amx(int group) -> bool", &I::amx_on);
   m.def("layout(int group) -> str", &I::layout);
-  m.def("knob(str name, int value) -> int", &I::knob);
 }

@@ -1,6 +1,6 @@
 // The CPU decoder's layer loop for int8w (model/cpu_forward.py's loop, the same ops in the same order), calling the
 // fused and int8 kernels directly (fused_kernels.h, int8_kernels.h), so a step pays no Python and no dispatcher
-// between them (on the 2-vCPU machine, 6-7 ms of a 57-63 ms step was Python between the ops).
+// between them.
 //
 // Steps of up to kTeamRows tokens (decode, a warm prefill; the weights in any layout the kernel has: lanes8, lanes or
 // [out, in], the last the portable path's, an Apple M2's) run their layers in one team of threads (one OpenMP region a
@@ -9,10 +9,9 @@
 // those rows past its KV write (a warm prefill's last row), in the team too. A linear's output blocks are mostly
 // split evenly, the rest claimed in turn (a thread the host slows takes fewer); a thread waiting at a barrier
 // prefetches (into its L2) the start of its even share of the next linear, so the memory works through the small
-// work and the barriers. On the H200 machine's Xeon a decode step took 0.76-0.84x the time of a region an op, same
-// process (results/profile/README.md). Every result is bitwise the per-op loop's: the same kernels on the same rows,
-// the attention's items planned as its op plans them. MVLLM_TEAM=0 (knob "team" 0) keeps a region an op, for
-// same-process comparisons.
+// work and the barriers: faster than a region an op (results/profile/README.md). Every result is bitwise the per-op
+// loop's: the same kernels on the same rows, the attention's items planned as its op plans them. MVLLM_TEAM=0 (knob
+// "team" 0) keeps a region an op, for tests and same-process comparisons.
 
 #include "barrier.h"
 #include "fused_kernels.h"
@@ -48,20 +47,11 @@ std::atomic<int64_t>& team_on() {
   return on;
 }
 std::atomic<int64_t> team_calls{0};  // calls the team ran (tests ask which path a step took)
-std::atomic<int64_t>& team_last() {  // a last layer that trims its rows runs in the team (1) or op by op (0)
-  static std::atomic<int64_t> on{I::env_int("MVLLM_TEAM_LAST", 1, 0, 1)};
-  return on;
-}
-// Knobs for same-process experiments: the share of a linear's blocks split evenly (percent; MVLLM_TEAM_EVEN,
-// default 75) and the bytes a waiting thread prefetches of its next share (MVLLM_TEAM_AHEAD, default 1 MB).
-std::atomic<int64_t>& even_percent() {
-  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_EVEN", 75, 0, 100)};
-  return n;
-}
-std::atomic<int64_t>& ahead_bytes() {
-  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AHEAD", 1 << 20, 0, int64_t{1} << 30)};
-  return n;
-}
+// The percent of a linear's output blocks split evenly among the threads, the rest claimed in turn, and the bytes of
+// its next share a thread waiting at a barrier prefetches: neither all claimed nor other shares or distances were
+// faster (results/profile/README.md).
+constexpr int64_t kEvenPercent = 75;
+constexpr int64_t kAheadBytes = 1 << 20;
 
 // Phase times, for experiments (knob "times" 1; off by default, when a phase costs one branch): for each phase of
 // a layer, summed over layers and steps, its wall time (thread 0's, from the phase's start to the barrier's
@@ -83,14 +73,10 @@ at::Tensor team_times() {
   for (int64_t i = 0; i < 3 * kPhases; ++i) t.data_ptr<double>()[i] = phase_ns[i].exchange(0) / 1e6;
   return t;
 }
-// A linear on AMX tiles (p.block 4 tiles) halves its output blocks, down to 1 tile, while it has fewer than
-// MVLLM_TEAM_AMX_BLOCKS (default 6; knob "amx_blocks") a thread: a 896-output linear has 14 blocks of 64 outputs,
-// 2 of 16 threads idle. On the H200 machine's Xeon, in a warm prefill (same process), 6 took 0.90x the time of 0
-// at 8 threads and 0.88x at 16 (results/profile/README.md).
-std::atomic<int64_t>& amx_blocks() {
-  static std::atomic<int64_t> n{I::env_int("MVLLM_TEAM_AMX_BLOCKS", 6, 0, 64)};
-  return n;
-}
+// A linear on AMX tiles (p.block 4 tiles) halves its output blocks, down to 1 tile, while it has fewer than this many
+// a thread: a 896-output linear has 14 blocks of 64 outputs, 2 of 16 threads idle. Faster in a warm prefill than
+// blocks of 64 or 32 outputs (results/profile/README.md).
+constexpr int64_t kAmxBlocks = 6;
 
 // A linear of the team: its problem (x, y and the activations' rounding set to the step's buffers), the output
 // blocks split evenly among the threads (the first `even` of them) and the rest claimed in turn.
@@ -101,11 +87,9 @@ struct TeamLinear {
 
   void setup(int64_t threads) {
     if (p.amx)
-      for (const int64_t least = amx_blocks().load(std::memory_order_relaxed);
-           p.block > I::kLaneOuts && (p.out + p.block - 1) / p.block < least * threads;)
-        p.block /= 2;
+      while (p.block > I::kLaneOuts && (p.out + p.block - 1) / p.block < kAmxBlocks * threads) p.block /= 2;
     blocks = (p.out + p.block - 1) / p.block;
-    even = blocks * even_percent().load(std::memory_order_relaxed) / 100 / threads * threads;  // the rest claimed
+    even = blocks * kEvenPercent / 100 / threads * threads;  // the rest claimed
     chunk = std::max<int64_t>(1, (blocks - even) / (4 * threads));
     next.store(even, std::memory_order_relaxed);
   }
@@ -125,12 +109,12 @@ struct TeamLinear {
   }
 };
 
-// What a waiting thread prefetches: the next lines of its share of the next linear, up to ahead_bytes().
+// What a waiting thread prefetches: the next lines of its share of the next linear, up to kAheadBytes.
 struct Ahead {
   const uint8_t *at = nullptr, *end = nullptr;
   void aim(const TeamLinear& l, int64_t tid, int64_t n) {
     auto [from, to] = l.share(tid, n);
-    at = from, end = std::min(to, from + ahead_bytes().load(std::memory_order_relaxed));
+    at = from, end = std::min(to, from + kAheadBytes);
   }
   bool operator()() {
     if (at >= end) return false;
@@ -402,8 +386,8 @@ std::pair<at::Tensor, at::Tensor> team_layers(const at::Tensor& x_in, const std:
 
 // x [T, hidden] (the embeddings) through every layer and the final norm; the caches written at `slots`. With
 // out_rows (the rows the LM head reads: each prefill's last), the last layer computes only those rows past its
-// KV-cache write, and only they are returned; in the team too, unless knob "last" is 0 (MVLLM_TEAM_LAST=0): then
-// that last layer runs op by op.
+// KV-cache write, and only they are returned; in the team too (as fast as op by op, one region a step fewer, the same
+// bits).
 at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, const at::TensorList caches,
                          const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_of_token,
@@ -420,17 +404,15 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   at::Tensor x = x_in;
   Opt residual;  // none before the first layer: the first norm's residual is x itself
   int64_t first = 0;  // the first layer run op by op
-  const bool last_in_team = !out_rows || team_last().load(std::memory_order_relaxed);
-  const int64_t team = last_in_team ? layers : layers - 1;
-  if (team > 0 && team_fits(w, team, x_in.size(0))) {
+  if (team_fits(w, layers, x_in.size(0))) {
     team_calls.fetch_add(1, std::memory_order_relaxed);
     Opt rows, seq_out, len_out;  // the last layer's rows past its KV write, where the team trims them
-    if (out_rows && team == layers) {
+    if (out_rows) {
       rows = *out_rows, seq_out = seq_of_token.index_select(0, *out_rows), len_out = key_len.index_select(0, *out_rows);
     }
-    auto [out, res] = team_layers(x_in, w, caches, team, cos, sin, slots, block_table, seq_of_token, key_len,
+    auto [out, res] = team_layers(x_in, w, caches, layers, cos, sin, slots, block_table, seq_of_token, key_len,
                                   block_size, scale, heads, kv_heads, eps, rows, seq_out, len_out);
-    x = out, residual = res, first = team;
+    x = out, residual = res, first = layers;
   }
   for (int64_t l = first; l < layers; ++l) {
     const at::Tensor h = F::add_rms_norm(x, residual, get(l, kNorm1), eps);
@@ -454,15 +436,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<Opt>& weights, 
   return F::add_rms_norm(x, residual, final_norm, eps);
 }
 
-// Same-process comparisons: "team" 0 or 1, "even" (percent), "ahead" (bytes), "times" 0 or 1 (phase times),
-// "amx_blocks" (blocks a thread), "last" 0 or 1; the previous value back.
+// Tests and same-process comparisons: "team" 0 or 1, "times" 0 or 1 (phase times); the previous value back.
 int64_t knob(const std::string& name, int64_t value) {
-  if (name == "last") return team_last().exchange(std::clamp<int64_t>(value, 0, 1));
-  if (name == "amx_blocks") return amx_blocks().exchange(std::clamp<int64_t>(value, 0, 64));
   if (name == "times") return times_on().exchange(std::clamp<int64_t>(value, 0, 1));
-  if (name == "even") return even_percent().exchange(std::clamp<int64_t>(value, 0, 100));
-  if (name == "ahead") return ahead_bytes().exchange(std::clamp<int64_t>(value, 0, int64_t{1} << 30));
-  TORCH_CHECK(name == "team", "layer loop knobs: team, even, ahead, times, amx_blocks and last, got ", name);
+  TORCH_CHECK(name == "team", "layer loop knobs: team and times, got ", name);
   return team_on().exchange(std::clamp<int64_t>(value, 0, 1));
 }
 
