@@ -159,6 +159,13 @@ def serve(
         ready_timeout, shutdown_timeout, restart_backends)
 
 
+# the capacity search's options, the same for bench and simulate
+SLO_SHARE = typer.Option(0.99, help="With --slo: the share of requests that must meet it.")
+LOADS = typer.Option(None, help="With --slo: LOW:HIGH, the search's first bounds in the experiment's load unit "
+                                "(default: a quarter of its load, and its load).")
+TOLERANCE = typer.Option(0.05, help="With --slo: stop when the bounds are this close (relative).")
+
+
 @app.command()
 @one_line_errors
 def bench(
@@ -185,10 +192,9 @@ def bench(
                                        "requests meet this SLO, e.g. \"ttft:2000 tpot:50\" (ms; ttft, tpot, e2el), "
                                        "by bisection, each point one run on a live server (<out>/capacity/: "
                                        "capacity.json, capacity.png, a folder a run)."),
-    slo_share: float = typer.Option(0.99, help="With --slo: the share of requests that must meet it."),
-    loads: str = typer.Option(None, help="With --slo: LOW:HIGH, the search's first bounds in the experiment's "
-                                         "load unit (default: a quarter of its load, and its load)."),
-    tolerance: float = typer.Option(0.05, help="With --slo: stop when the bounds are this close (relative)."),
+    slo_share: float = SLO_SHARE,
+    loads: str = LOADS,
+    tolerance: float = TOLERANCE,
 ):
     """Replay a workload against mvllm servers it starts, policy against policy, and save what a user would feel:
     TTFT, TPOT, ITL, end-to-end latency, throughput and batch completion time."""
@@ -268,10 +274,9 @@ def simulate(
     slo: str = typer.Option(None, help="Instead: find each policy's highest load at which --slo-share of "
                                        "the requests meet this SLO, e.g. \"ttft:2000 tpot:50\" (ms; ttft, tpot, "
                                        "e2el), by bisection (capacity.json, capacity.png)."),
-    slo_share: float = typer.Option(0.99, help="With --slo: the share of requests that must meet it."),
-    loads: str = typer.Option(None, help="With --slo: LOW:HIGH, the search's first bounds in the experiment's "
-                                         "load unit (default: a quarter of its load, and its load)."),
-    tolerance: float = typer.Option(0.05, help="With --slo: stop when the bounds are this close (relative)."),
+    slo_share: float = SLO_SHARE,
+    loads: str = LOADS,
+    tolerance: float = TOLERANCE,
     url: str = typer.Option(None, hidden=True),  # bench's option, refused in one line
 ):
     """Predict an experiment from a profile without running it: its workload through the real router and
