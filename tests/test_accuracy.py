@@ -95,7 +95,7 @@ def test_profile_writes_accuracy(smollm2, tmp_path):
     out = tmp_path / "p.json"
     res = runner.invoke(app, ["profile", "--backends", "cpu=cpu/threads=1,lossy=cpu/quant=int8-lossy/threads=1",
                               "--lengths", "16", "--repeats", "1", "--steps", "1", "--max-active", "1",
-                              "--out", str(out)])
+                              "--contexts", "", "--out", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())["backends"]
     assert data["cpu"]["accuracy"]["within_bound"] and data["cpu"]["picked"].startswith("picked")
@@ -108,7 +108,7 @@ def test_profile_says_synthetic_has_no_accuracy(tmp_path):
     out = tmp_path / "p.json"
     res = runner.invoke(app, ["profile", "--model", "synthetic:tiny-qwen2", "--backends", "cpu=cpu/threads=1",
                               "--lengths", "16", "--repeats", "1", "--steps", "1", "--max-active", "1",
-                              "--out", str(out)])
+                              "--contexts", "", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["backends"]["cpu"]["accuracy"] == {"note": SYNTHETIC_NOTE}
     assert "n/a: synthetic weights" in res.output
