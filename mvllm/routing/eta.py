@@ -144,72 +144,92 @@ def _mean(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
 Work = tuple[list[int], list[int], list[tuple[int, int]]]
 
 
-def finish_time(timing: Timing, work: Work, new_prefill: int, new_decode: int) -> float:
-    """Seconds from now until the new request would finish if it were queued behind `work`."""
-    return timing.request_s + replay(timing, work, (new_prefill, new_decode))
+@dataclass(slots=True)
+class Queued:
+    """A backend's bookings replayed FCFS up to the admission of the last one waiting: the seconds that takes
+    (`t`), the decode steps run by then (`done`), and a heap of the step at which each admitted request ends
+    (`marks`). What a new request adds is priced from here (`finish`, `drain`), so a router that books more
+    requests behind the same queue replays only those (`extend`)."""
 
+    t: float
+    done: int
+    marks: list
 
-def drain_time(timing: Timing, work: Work, new: tuple[int, int] | None = None) -> float:
-    """Seconds from now until all booked work (and `new`, (prefill, decode), if given) has finished."""
-    return (timing.request_s if new else 0.0) + replay(timing, work, new, until_all=True)
+    @classmethod
+    def of(cls, timing: Timing, work: Work) -> Queued:
+        running, admitting, waiting = work
+        t = 0.0
+        for n in admitting:
+            t += timing.priced(n)
+        q = cls(t, 0, list(running))
+        heapify(q.marks)
+        q.extend(timing, waiting)
+        return q
 
-
-def replay(timing: Timing, work: Work, new: tuple[int, int] | None, until_all: bool = False) -> float:
-    """The FCFS replay both share: the time the new request finishes, or with until_all the last one. Each
-    running request is a mark, the count of decode steps after which it ends; a stretch of steps between two
-    ends costs its length times the step time of the batch that runs it."""
-    prefill_s, steps, top = timing.priced, timing.step_s, timing.max_active
-    running, admitting, waiting = work
-    marks, t = list(running), 0.0
-    for n in admitting:
-        t += prefill_s(n)
-    if not waiting and len(marks) + (new is not None) <= top:  # all of it runs at once: ends in order
-        if new is None:
-            return _walk(sorted(marks), steps, t) if marks else 0.0
-        t += prefill_s(new[0])
-        if until_all:
-            marks.append(new[1])
-            return _walk(sorted(marks), steps, t)
-        marks.sort()
-        return _walk(marks, steps, t, last=new[1], n=len(marks) + 1)
-    # the queue is admitted FCFS, a request each time a slot frees: until it is empty the batch is full
-    heapify(marks)
-    done, mine, full = 0, None, steps[top - 1]  # done: decode steps run; mine: the step at which the new one ends
-    queue = iter(waiting)  # (the loop that `new` ends below, unrolled: this one runs the long queues)
-    for prefill, decode in queue:
-        while len(marks) >= top:
-            end = heappop(marks)
-            t += (end - done) * full
-            done = end
-        t += prefill_s(prefill)
-        heappush(marks, done + decode)
-        if len(marks) == top:
-            break
-    memo = timing.memo
-    for prefill, decode in queue:  # the batch stays full: each one starts as the first of it ends
-        end = marks[0]
-        t += (end - done) * full
-        done = end
-        got = memo.get(prefill)
-        t += got if got is not None else prefill_s(prefill)
-        heapreplace(marks, done + decode)
-    if new is not None:
-        while len(marks) >= top:
-            end = heappop(marks)
-            t += (end - done) * full
-            done = end
-        t += prefill_s(new[0])
-        mine = done + new[1]
-    if mine is None or until_all:
-        if mine is not None:
-            heappush(marks, mine)
+    def extend(self, timing: Timing, waiting: list[tuple[int, int]]) -> None:
+        """Queue these (prefill, decode) behind the rest: each is admitted, FCFS, as a slot frees. Each running
+        request is a mark, the count of decode steps after which it ends; a stretch of steps between two ends
+        costs its length times the step time of the batch that runs it, the full batch's while a queue waits."""
+        prefill_s, top = timing.priced, timing.max_active
+        full, memo, marks, t, done = timing.step_s[top - 1], timing.memo, self.marks, self.t, self.done
+        queue = iter(waiting)
+        if len(marks) < top:
+            for prefill, decode in queue:  # free slots first (or more running than max_active: none free)
+                t += prefill_s(prefill)
+                heappush(marks, done + decode)
+                if len(marks) == top:
+                    break
         while len(marks) > top:
             end = heappop(marks)
             t += (end - done) * full
             done = end
-        return _walk(sorted(marks), steps, t, done)
-    marks.sort()
-    return _walk(marks, steps, t, done, mine, len(marks) + 1)
+        for prefill, decode in queue:  # the batch stays full: each one starts as the first of it ends
+            end = marks[0]
+            t += (end - done) * full
+            done = end
+            got = memo.get(prefill)
+            t += got if got is not None else prefill_s(prefill)
+            heapreplace(marks, done + decode)
+        self.t, self.done = t, done
+
+    def finish(self, timing: Timing, new: tuple[int, int]) -> float:
+        """Seconds until a new request, (prefill, decode), queued behind all of it would finish."""
+        marks, t, done, full, top = list(self.marks), self.t, self.done, timing.step_s[-1], timing.max_active
+        while len(marks) >= top:
+            end = heappop(marks)
+            t += (end - done) * full
+            done = end
+        t += timing.priced(new[0])
+        marks.sort()
+        return _walk(marks, timing.step_s, t, done, done + new[1], len(marks) + 1)
+
+    def drain(self, timing: Timing, new: tuple[int, int] | None = None) -> float:
+        """Seconds until all of it, and `new` if given, has finished."""
+        marks, t, done, full, top = list(self.marks), self.t, self.done, timing.step_s[-1], timing.max_active
+        if new is not None:
+            while len(marks) >= top:
+                end = heappop(marks)
+                t += (end - done) * full
+                done = end
+            t += timing.priced(new[0])
+            heappush(marks, done + new[1])
+        while len(marks) > top:
+            end = heappop(marks)
+            t += (end - done) * full
+            done = end
+        return _walk(sorted(marks), timing.step_s, t, done)
+
+
+def finish_time(timing: Timing, work: Work | Queued, new_prefill: int, new_decode: int) -> float:
+    """Seconds from now until the new request would finish if it were queued behind `work`."""
+    q = work if isinstance(work, Queued) else Queued.of(timing, work)
+    return timing.request_s + q.finish(timing, (new_prefill, new_decode))
+
+
+def drain_time(timing: Timing, work: Work | Queued, new: tuple[int, int] | None = None) -> float:
+    """Seconds from now until all booked work (and `new`, (prefill, decode), if given) has finished."""
+    q = work if isinstance(work, Queued) else Queued.of(timing, work)
+    return (timing.request_s if new else 0.0) + q.drain(timing, new)
 
 
 def _walk(ends: list[int], steps: list[float], t: float, done: int = 0, last: int | None = None,

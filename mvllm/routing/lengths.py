@@ -25,6 +25,7 @@ from collections import deque
 class Lengths:
     def __init__(self, window: int = 2048, min_finished: int = 16, refit_every: int = 16):
         self.seen: deque[tuple[int, bool]] = deque(maxlen=window)  # (tokens made, stopped by itself)
+        self.counts: dict[int, list[int]] = {}  # tokens made -> [stopped by itself, all] of those in `seen`
         self.min_finished, self.refit_every = min_finished, refit_every
         self.fresh = 0  # finished since the last fit
         self.fits = 0  # fits so far: an estimate made before the last one is stale
@@ -40,7 +41,18 @@ class Lengths:
         """A request ended after `generated` tokens; `stopped`: by itself (not at its cap, not aborted)."""
         if generated <= 0:
             return
-        self.seen.append((generated, stopped))
+        seen, counts = self.seen, self.counts
+        if len(seen) == seen.maxlen:  # the oldest leaves the window
+            t, was = seen[0]
+            c = counts[t]
+            c[0] -= was
+            c[1] -= 1
+            if not c[1]:
+                del counts[t]
+        seen.append((generated, stopped))
+        c = counts.setdefault(generated, [0, 0])
+        c[0] += stopped
+        c[1] += 1
         self.fresh += 1
         if self.ready and (self.fresh >= self.refit_every or len(self.seen) <= self.min_finished):
             self.fit()
@@ -50,11 +62,7 @@ class Lengths:
         there that stopped there."""
         self.fresh = 0
         self.fits += 1
-        counts: dict[int, list[int]] = {}
-        for t, stopped in self.seen:
-            c = counts.setdefault(t, [0, 0])
-            c[0] += stopped
-            c[1] += 1
+        counts = self.counts
         at_risk, s, area, last = len(self.seen), 1.0, 0.0, 0
         times, surv, areas = [], [], []
         for t in sorted(counts):
@@ -69,23 +77,24 @@ class Lengths:
             at_risk -= ended
         self.times, self.surv, self.area = times, surv, areas
 
-    def _s(self, t: int) -> float:
-        j = bisect_right(self.times, t) - 1
-        return self.surv[j] if j >= 0 else 1.0
-
-    def _a(self, x: int) -> float:
-        j = bisect_right(self.times, x - 1) - 1
-        return x if j < 0 else self.area[j] + (x - self.times[j]) * self.surv[j]
-
     def left(self, generated: int, cap: int) -> int:
-        """Expected tokens still to come of a request that made `generated` of its cap."""
-        room = cap - generated
-        if room <= 1 or not self.times:
+        """Expected tokens still to come of a request that made `generated` of its cap: (A(cap) - A(generated))
+        / S(generated), A(x) the sum of S(t) for t < x (the router asks it of every booking after each fit)."""
+        room, times = cap - generated, self.times
+        if room <= 1 or not times:
             return max(room, 0)
-        s = self._s(generated)
+        surv, area = self.surv, self.area
+        j = bisect_right(times, cap - 1) - 1
+        a_cap = cap if j < 0 else area[j] + (cap - times[j]) * surv[j]
+        if not generated:  # a waiting request: S(0) = 1 and A(0) = 0, every length seen being at least 1
+            return max(1, min(room, round(a_cap)))
+        j = bisect_right(times, generated) - 1
+        s = surv[j] if j >= 0 else 1.0
         if s <= 0.0:  # it outlived every length seen
             return room
-        return max(1, min(room, round((self._a(cap) - self._a(generated)) / s)))
+        j = bisect_right(times, generated - 1) - 1
+        a_made = generated if j < 0 else area[j] + (generated - times[j]) * surv[j]
+        return max(1, min(room, round((a_cap - a_made) / s)))
 
     def state(self) -> str:
         """What the estimate rests on, for the routing log."""

@@ -16,7 +16,7 @@ from typing import IO
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.routing.blocks import SentBlocks
 from mvllm.routing.cost import Booking, Candidate, candidate
-from mvllm.routing.eta import Timing, Work, drain_time, finish_time
+from mvllm.routing.eta import Queued, Timing, Work
 from mvllm.routing.lengths import Lengths, TokenRatio
 from mvllm.routing.policies.base import Policy, Request
 from mvllm.routing.policies.registry import make_policy
@@ -41,6 +41,7 @@ class Router:
         self.seen_before = lengths
         self.timings = {b: Timing.from_profile(r) for b, r in self.rates.items() if "prefill_rate" in r}
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
+        self.replayed: dict[str, tuple] = {}  # backend -> its bookings replayed by eta's model (`queued`)
         self.set_policy(policy)
         self.alive = {b: True for b in self.backends}
         self.decisions = {b: 0 for b in self.backends}
@@ -123,13 +124,33 @@ class Router:
             queue = [(x.prompt_tokens - x.estimated_cached, x.left * k) for x in booked if not x.active]
         return running, [x.pending_prefill for x in active if not x.generated], queue
 
+    def queued(self, backend: str, booked: list[Booking]) -> Queued:
+        """The backend's bookings replayed by eta's model (`work`), kept until they change: every event that
+        changes one forgets it, and a booking the router makes is queued onto it (`route`), so the decisions
+        between two of the backend's events replay only the requests booked since. It is kept with what it was
+        made of: the bookings (a dict put in place of them, or a booking added to it but by `route`, is
+        replayed again) and the policy's scale."""
+        book, k = self.bookings[backend], self.policy.scale(backend)
+        kept = self.replayed.get(backend)
+        if kept is not None and kept[0] is book and kept[1] == len(book) and kept[2] == k:
+            return kept[3]
+        q = Queued.of(self.timings[backend], self.work(backend, booked))
+        self.replayed[backend] = (book, len(book), k, q)
+        return q
+
     def reestimate(self) -> None:
         """Every booking's expected length again, from the estimate's last fit (once per fit: the bookings made
         before it, waiting ones above all, would keep the estimate, or the cap, of their time)."""
         self.fitted = self.lengths.fits
+        self.replayed.clear()
         for name, booked in self.bookings.items():
-            for b in booked.values():
-                b.left = self.expect(name, b)
+            if self.estimating:  # expect's "estimate", without a call of it for each of a long queue
+                left = self.lengths.left
+                for b in booked.values():
+                    b.left = left(b.generated, b.max_tokens)
+            else:
+                for b in booked.values():
+                    b.left = self.expect(name, b)
 
     def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
                    length: int | None = None) -> dict[str, Candidate]:
@@ -153,14 +174,15 @@ class Router:
                 c = Candidate(b, 0, 0, *rates, have)
             timing = self.timings.get(b)
             if timing and (p.needs_timing or log):
-                work = self.work(b, booked)
+                q = self.queued(b, booked)
                 mine = (prompt_tokens - have, new.left * self.scale(b))
                 if log and p.lengths != "cap":
+                    work = self.work(b, booked)
                     c.expected_decode = sum(work[0]) + sum(d for _, d in work[2]) + mine[1]
-                c.eta = finish_time(timing, work, *mine)
+                c.eta = timing.request_s + q.finish(timing, mine)
                 if p.needs_drain:
-                    c.drain = drain_time(timing, work, mine)
-                    c.idle_drain = drain_time(timing, work)
+                    c.drain = timing.request_s + q.drain(timing, mine)
+                    c.idle_drain = q.drain(timing)
             out[b] = c
         return out
 
@@ -186,6 +208,7 @@ class Router:
                                                               max_tokens, length=length)
         booking.left = self.expect(choice, booking)
         self.decisions[choice] += 1
+        self.book_replayed(choice, booking)
         p.routed(choice, request)
         if self.log:
             expected = ({"expected_tokens": booking.left * self.scale(choice),
@@ -200,10 +223,24 @@ class Router:
                    else {})}) + "\n")
         return choice
 
+    def book_replayed(self, backend: str, booking: Booking) -> None:
+        """A booking just made waits behind the backend's others: queue it onto their replay, where it is kept."""
+        kept = self.replayed.get(backend)
+        if kept is None:
+            return
+        book, n, k, q = kept
+        if book is not self.bookings[backend] or n + 1 != len(book) or k != self.policy.scale(backend):
+            del self.replayed[backend]
+            return
+        left = booking.left if k is None else booking.left * k
+        q.extend(self.timings[backend], [(booking.prompt_tokens - booking.estimated_cached, left)])
+        self.replayed[backend] = (book, n + 1, k, q)
+
     def set_external(self, backend: str, count: int) -> None:
         """A remote runs `count` requests for other clients: book each as one running request of ours, priced at
         the mean max_tokens of the last 32 routed here (their real lengths are unknown)."""
         self.external[backend] = count
+        self.replayed.pop(backend, None)
         book = self.bookings[backend]
         for rid in [r for r in book if r.startswith("external-")]:
             del book[rid]
@@ -219,29 +256,50 @@ class Router:
     def on_scheduled(self, backend: str, request_id: str, cached_tokens: int) -> None:
         booking = self.bookings[backend].get(request_id)
         if booking:
+            self.replayed.pop(backend, None)
             booking.active, booking.actual_cached = True, cached_tokens
             if cached_tokens < booking.estimated_cached:  # evicted between routing and admission
                 self.stale[backend] += 1
 
     def on_tokens(self, backend: str, request_id: str, count: int) -> None:
-        booking = self.bookings[backend].get(request_id)
-        if booking:
+        """`count` more tokens of a request: the same as `count` calls with 1 each."""
+        self.on_step_tokens(backend, (request_id,), count)
+
+    def on_step_tokens(self, backend: str, request_ids, count: int = 1) -> None:
+        """`count` more tokens of each of these requests, in order: on_tokens for each, in one call (a decode
+        step gives one to each request of its batch). A running request's expected length is looked up (expect)
+        at every REFRESH-th token it makes and counts down at the others, so many tokens at once end where as
+        many calls with one each would: the look-up at the last REFRESH-th of them, counted down from there."""
+        self.replayed.pop(backend, None)
+        book, estimating, hook = self.bookings[backend], self.estimating, self.tokens_hook
+        for request_id in request_ids:
+            booking = book.get(request_id)
+            if booking is None:
+                continue
             booking.active = True
             booking.generated = done = booking.generated + count
-            if not self.estimating or done % REFRESH < count:
+            if not estimating:  # the other lengths are looked up at every token, from it alone
                 booking.left = self.expect(backend, booking)
-            else:  # counts down to the next look-up, within the cap: min(max(left, 1), max(room, 0))
-                left, room = booking.left - count, booking.max_tokens - done
-                if left < 1:
-                    left = 1
-                booking.left = left if left <= room else max(room, 0)
-            if self.tokens_hook is not None:
-                self.tokens_hook(booking, count)
+            else:
+                since = done % REFRESH  # tokens since the last look-up's
+                if since < count:  # it was among these: expect's "estimate" there
+                    left = self.lengths.left(done - since, booking.max_tokens)
+                else:
+                    left, since = booking.left, count
+                if since:  # counted down `since` tokens within the cap: min(max(left - since, 1), max(room, 0))
+                    left, room = left - since, booking.max_tokens - done
+                    if left < 1:
+                        left = 1
+                    left = left if left <= room else max(room, 0)
+                booking.left = left
+            if hook is not None:
+                hook(booking, count)
 
-    def on_step(self, backend: str) -> None:
-        """The backend ran a decode step (new-token-ratio's ratio decays by steps)."""
+    def on_step(self, backend: str, steps: int = 1) -> None:
+        """The backend ran a decode step, or `steps` of them (new-token-ratio's ratio decays by steps)."""
         if self.step_hook is not None:
-            self.step_hook(backend)
+            for _ in range(steps):
+                self.step_hook(backend)
 
     def on_preempted(self, backend: str) -> None:
         """The backend preempted a request (SGLang's retraction: new-token-ratio resets its ratio)."""
@@ -252,6 +310,7 @@ class Router:
         or "abort" (its client left): each tells the length estimate what it made; None (it failed) does not."""
         booking = self.bookings[backend].pop(request_id, None)
         if booking is not None:
+            self.replayed.pop(backend, None)
             if reason is not None:
                 self.lengths.finished(booking.generated, reason == "stop")
             self.policy.finished(backend, booking, reason)
@@ -259,6 +318,7 @@ class Router:
     def on_dead(self, backend: str) -> list[str]:
         """Stop choosing a backend; returns the ids of the requests it held."""
         self.alive[backend] = False
+        self.replayed.pop(backend, None)
         held = list(self.bookings[backend])
         self.bookings[backend].clear()
         self.policy.dead(backend)

@@ -11,7 +11,8 @@ token comes at the end of the step that admits it, and its prompt's full blocks 
 request ends at its length (`Job.max_tokens`: the workload's true length, within the max_tokens it was sent,
 `limit`): finish_reason "length" where it reached `limit`, else "stop". Its blocks are then freed, the full
 blocks of its prompt and of its tokens but the last published (the last sampled token's KV is never
-computed), its last block first.
+computed), its last block first. The steps that change nothing but tokens, while nothing else happens, run
+back to back in one call (`coast`): the same steps, without a call of the router for each.
 
 A backend profiled with overlap (CUDA's default) schedules each step as the one before it starts, counting
 the tokens in flight: a request that arrives while a step runs joins the step after next, and a slot freed
@@ -83,27 +84,75 @@ class Backend:
             self.planned = [job for job in self.running if not job.done and job.generated + 1 < job.limit]
             self.planned_prefill = self.schedule(router, self.planned, 1)
         self.busy = True
+        return self.step_time(prefill)
+
+    def step_time(self, prefill: float, ahead: int = 0) -> float:
+        """The running batch's step, admissions' `prefill` included (`ahead`: tokens landed not yet counted)."""
         timing, running = self.timing, self.running
         if timing.depth_s:  # a request admitted into this step is priced by its prefill
             ref = timing.depth_ref
-            excess = sum(len(j.prompt) + j.generated - ref for j in running if not j.fresh)
+            excess = sum(len(j.prompt) + j.generated + ahead - ref for j in running if not j.fresh)
             return timing.at_depth(len(running), excess) + prefill
         return timing.step_s[len(running) - 1] + prefill
+
+    def coast(self, now: float, until: float, router: Router) -> float:
+        """Run the steps that change nothing but tokens, back to back, while each ends before `until` (the next
+        event elsewhere); returns the time the last one ended (`now`: none ran). In such a step no request is
+        admitted (none waits, or the batch is full), none ends, and each block its requests need is free (no
+        preemption); a backend with overlap runs none (its steps are scheduled a step ahead). Each is the step
+        start_step and end_step would run, and the router hears their tokens and steps after the last of them
+        (`count` tokens of each request: as many of one, routing/router.py): nothing reads it in between."""
+        timing, running, kv = self.timing, self.running, self.kv
+        if timing.overlap or self.planned or not running or (self.waiting and len(running) < timing.max_active):
+            return now
+        if now + self.step_time(0.0) >= until:  # (the first ends too late: most often, for the slower backend)
+            return now
+        last = min(j.max_tokens - j.generated for j in running) - 1  # the step after it ends one of them
+        bounded = kv.num_blocks is not None
+        room = min(j.room - j.generated for j in running) if bounded else last  # steps before one needs a block
+        times, dur = [], None if timing.depth_s else self.step_time(0.0)
+        for i in range(last):  # i: the tokens each has made since `now`
+            end = now + (self.step_time(0.0, i) if dur is None else dur)
+            if end >= until:
+                break
+            if i > room:  # schedule's room for the next tokens; where it would preempt, start_step does that
+                if not self.grow(router, running, i, preempt=False):
+                    break
+                room = min(j.room - j.generated for j in running)
+            now = end
+            times.append(now)
+        if times:
+            n = len(times)
+            for job in running:
+                job.generated += n
+                job.record.chunks.extend(times)
+            router.on_step_tokens(self.name, [j.rid for j in running], n)
+            router.on_step(self.name, n)
+        return now
 
     def schedule(self, router: Router, into: list, ahead: int) -> float:
         """The engine's schedule(): room for the next token of each request in `into` (`ahead`: tokens in
         flight), then admissions; returns their prefill's extra seconds."""
         if self.kv.num_blocks is not None:
-            grow = [j for j in into if j.generated + ahead > j.room]
-            if grow:
-                before = self.preemptions
-                for job in grow:
-                    while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
-                        self.preempt(into[-1], into, ahead)
-                    job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
-                if self.preemptions > before:
-                    router.on_preempted(self.name)
+            for job in into:  # (most steps none needs a block: a loop finds that sooner than a list would)
+                if job.generated + ahead > job.room:
+                    self.grow(router, into, ahead)
+                    break
         return self.admit(router, into) if self.waiting and len(into) < self.timing.max_active else 0.0
+
+    def grow(self, router: Router, into: list, ahead: int, preempt: bool = True) -> bool:
+        """A block more for each request in `into` whose next token needs one, preempting where none is free;
+        without `preempt`, False there instead (the blocks taken before it stay taken)."""
+        before = self.preemptions
+        for job in [j for j in into if j.generated + ahead > j.room]:
+            while job in into and not self.kv.grow(job.table, len(job.prompt) + job.generated + ahead):
+                if not preempt:
+                    return False
+                self.preempt(into[-1], into, ahead)
+            job.room = len(job.table) * BLOCK_SIZE - len(job.prompt)
+        if self.preemptions > before:
+            router.on_preempted(self.name)
+        return True
 
     def preempt(self, job: Job, into: list, ahead: int) -> None:
         into.remove(job)
@@ -145,7 +194,7 @@ class Backend:
 
     def end_step(self, now: float, router: Router) -> list[Job]:
         """The step's tokens land; returns the requests it ended."""
-        finished, keep, planned, name, on_tokens = [], [], self.planned, self.name, router.on_tokens
+        finished, keep, planned, name, made = [], [], self.planned, self.name, []
         for job in self.running:
             if job.done:
                 continue  # overlap: scheduled before its last token landed
@@ -157,7 +206,7 @@ class Backend:
                 rec.first_token, rec.cached_tokens = now, job.cached
             job.generated += 1
             rec.chunks.append(now)
-            on_tokens(name, job.rid, 1)
+            made.append(job.rid)
             if job.generated >= job.max_tokens:
                 rec.finish, rec.output_tokens = now, job.generated
                 rec.finish_reason = "length" if job.generated >= job.limit else "stop"
@@ -167,10 +216,14 @@ class Backend:
                     self._commit(job, len(job.prompt) + job.generated - 1 + (job in planned))
                     self.kv.release(job.table)
                 job.done = True
+                router.on_step_tokens(name, made)  # the router hears each token before the finish after it
+                made = []
                 router.on_finished(name, job.rid, rec.finish_reason)
                 finished.append(job)
             elif not job.preempted:
                 keep.append(job)
+        if made:
+            router.on_step_tokens(name, made)
         self.running = keep
         self.busy = False
         router.on_step(name)

@@ -2,16 +2,19 @@
 
 A block is referenced (pinned by the running requests that hold it), free and clean, or free and cached
 (its hash kept, evicted least recently released first when an allocation needs room). Only the hashes of
-the cached blocks are kept (`refs`: hash -> the running requests that hold that block), and a request's
-block table is a list of hashes (None for a block not published: a partial block, or one whose hash
-another block holds already). `num_blocks` None is a pool without bound (a profile without kv_blocks):
-nothing is evicted and every allocation fits. A trace's prompt left as its hash ids has keys in place of the
-hashes (bench/idprompt.py: equal exactly where the hashes are), so the same blocks hit and are evicted.
+the cached blocks are kept (`refs`: hash -> the running requests that hold that block, or for a free one the
+mark of the release that freed it), and a request's block table is a list of hashes (None for a block not
+published: a partial block, or one whose hash another block holds already). The free cached blocks are listed
+in the order they were freed (`order`), each with its release's mark: an entry whose block was taken again
+since, or freed again later, no longer matches its mark and is passed over, so a block taken from the cache
+costs nothing there, and the oldest ones are evicted in bulk. `num_blocks` None is a pool without bound (a
+profile without kv_blocks): nothing is evicted and every allocation fits. A trace's prompt left as its hash
+ids has keys in place of the hashes (bench/idprompt.py: equal exactly where the hashes are), so the same
+blocks hit and are evicted.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from itertools import islice
 
 from mvllm.engine.block_manager import BLOCK_SIZE, ROOT
@@ -44,8 +47,12 @@ def blocks_for(tokens: int) -> int:
 class KVCache:
     def __init__(self, num_blocks: int | None = None):
         self.num_blocks = num_blocks
-        self.refs: dict[int, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()  # free cached blocks, least recently released first
+        self.refs: dict[int, int] = {}  # hash -> holders (> 0), or the release mark (< 0) of a free cached block
+        self.order: list[int] = []  # free cached blocks' hashes, least recently released first, from `head` on
+        self.marks: list[int] = []  # the release mark of each entry of `order`
+        self.head = 0
+        self.cached = 0  # free cached blocks
+        self.releases = 0
         self.in_use = 0  # referenced blocks
 
     @property
@@ -55,6 +62,12 @@ class KVCache:
     @property
     def free(self) -> int:
         return self.num_blocks - self.in_use
+
+    @property
+    def lru(self) -> list[int]:
+        """The free cached blocks' hashes, least recently released first (the next evicted first)."""
+        refs, i = self.refs, self.head
+        return [h for h, mark in zip(self.order[i:], self.marks[i:]) if refs.get(h) == mark]
 
     def hits(self, hashes: list[int], tokens: int) -> int:
         """Cached blocks that a sequence of `tokens` tokens (hashes: its blocks' chain) finds, the last token
@@ -74,7 +87,7 @@ class KVCache:
         if self.num_blocks is None:
             return True
         hit = self.hits(hashes, tokens) if hit is None else hit
-        reusable = sum(1 for h in hashes[:hit] if not self.refs[h])
+        reusable = sum(1 for h in hashes[:hit] if self.refs[h] < 0)
         return blocks_for(tokens) - hit <= self.free - reusable
 
     def allocate(self, hashes: list[int], tokens: int, hit: int | None = None) -> tuple[list, int]:
@@ -84,10 +97,12 @@ class KVCache:
             return [], hit
         refs, table = self.refs, hashes[:hit]
         for h in table:
-            if not refs[h]:
-                del self.lru[h]
+            if refs[h] < 0:  # free and cached: taken again (its entry in `order` is passed over)
+                refs[h] = 1
+                self.cached -= 1
                 self.in_use += 1
-            refs[h] += 1
+            else:
+                refs[h] += 1
         self._take(blocks_for(tokens) - hit)
         table.extend([None] * (blocks_for(tokens) - hit))
         return table, hit
@@ -104,12 +119,31 @@ class KVCache:
         return True
 
     def _take(self, n: int) -> None:
-        evict = n - (self.num_blocks - self.in_use - len(self.lru))  # beyond the clean blocks
+        evict = n - (self.num_blocks - self.in_use - self.cached)  # beyond the clean blocks
         if evict > 0:
-            refs, pop = self.refs, self.lru.popitem
-            for _ in range(evict):
-                del refs[pop(False)[0]]
+            self._evict(evict)
         self.in_use += n
+
+    def _evict(self, n: int) -> None:
+        """Forget the n least recently released free cached blocks."""
+        refs, order, marks, i = self.refs, self.order, self.marks, self.head
+        self.cached -= n
+        end = i + n
+        if n > 1 and list(map(refs.get, order[i:end])) == marks[i:end]:  # the next n are all still cached
+            for h in order[i:end]:
+                del refs[h]
+            i = end
+        else:
+            while n:
+                h, mark = order[i], marks[i]
+                i += 1
+                if refs.get(h) == mark:
+                    del refs[h]
+                    n -= 1
+        if i > 4096 and 2 * i > len(order):  # the entries passed are most of the list: drop them
+            del order[:i], marks[:i]
+            i = 0
+        self.head = i
 
     def commit(self, table: list, hashes: list[int], start: int, end: int) -> None:
         """Publish blocks start..end-1 of the table (their KV computed): a block whose hash no block holds yet
@@ -122,7 +156,8 @@ class KVCache:
         new = hashes[start:end]  # the table's blocks past those published are unpublished
         if refs.keys().isdisjoint(new):
             table[start:end] = new
-            refs.update(dict.fromkeys(new, 1))
+            for h in new:  # (a loop: sooner than an update from a dict of them)
+                refs[h] = 1
             return
         for i, h in enumerate(new, start):
             if h not in refs:
@@ -134,15 +169,20 @@ class KVCache:
         (the most recently released), the others go back clean."""
         if self.num_blocks is None:
             return
-        refs, lru, kept = self.refs, self.lru, 0
+        self.releases += 1
+        refs, mark, freed, kept = self.refs, -self.releases, [], 0
         for h in reversed(table):
             if h is not None:
                 left = refs[h] - 1
-                refs[h] = left
                 if left:
+                    refs[h] = left
                     kept += 1
                 else:
-                    lru[h] = None
+                    refs[h] = mark
+                    freed.append(h)
+        self.order += freed
+        self.marks += [mark] * len(freed)
+        self.cached += len(freed)
         self.in_use -= len(table) - kept
         table.clear()
 

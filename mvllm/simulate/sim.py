@@ -42,6 +42,7 @@ from mvllm.simulate.backend import Backend, Job
 from mvllm.simulate.kv import KVCache, chain, stand_ins
 
 CONTEXT = 2048  # the context where the model's config is not found here
+INF = float("inf")
 
 
 class SimulateError(MvllmError):
@@ -201,6 +202,9 @@ def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Rou
                 if turns:
                     follow(job.record.id, now)
         while not backend.busy and backend.has_work:
+            # the steps that change nothing but tokens before the next event, run at once
+            until = min(events[0][0] if events else INF, firsts[k][0] if k < len(firsts) else INF)
+            now = backend.coast(now, until, router)
             seq += 1
             end = now + backend.start_step(router)
             if (events and events[0][0] <= end) or (k < len(firsts) and firsts[k][0] <= end):

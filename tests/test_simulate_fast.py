@@ -1,0 +1,135 @@
+"""The simulator's and the router's shortcuts change no prediction: steps that change nothing but tokens run at
+once (Backend.coast), eta's replay of a backend's bookings is kept between its events and extended by the
+requests booked since (Router.queued), many tokens of a request at once are as many of one (on_tokens), and the
+KV cache evicts its oldest blocks in bulk. Each is held here to the plain path, record by record."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+from test_simulate_traffic import experiment, mooncake
+
+from mvllm.routing.cost import Booking
+from mvllm.routing.eta import Queued, drain_time, finish_time
+from mvllm.routing.router import Router
+from mvllm.simulate import sim
+from mvllm.simulate.backend import Backend
+
+ROOT = Path(__file__).resolve().parent.parent
+# the capacity profile: depth-priced steps, a GPU with overlap, serving overheads, kv_blocks
+CAPACITY = json.loads((ROOT / "results/capacity/profile.json").read_text())
+PAPER = json.loads((ROOT / "results/paper-48/profile.json").read_text())
+
+
+def plain(monkeypatch) -> None:
+    """No coasting, no kept replays: every step through start_step and end_step, every price from scratch."""
+    monkeypatch.setattr(Backend, "coast", lambda self, now, until, router: now)
+    monkeypatch.setattr(Router, "book_replayed", lambda self, backend, booking: None)
+    real = Router.queued
+
+    def fresh(self, backend, booked):
+        self.replayed.pop(backend, None)
+        return real(self, backend, booked)
+
+    monkeypatch.setattr(Router, "queued", fresh)
+
+
+def records(exp, policy: str, profile: dict) -> tuple[dict, list[tuple]]:
+    keep: list = []
+    summary = sim.run_one(exp, policy, profile, 512, keep=keep)
+    return summary, [(r.id, r.backend, r.first_token, r.finish, r.cached_tokens, r.output_tokens, r.finish_reason,
+                      tuple(r.chunks)) for r in keep]
+
+
+def variant(profile: dict, gpu: int | None = None, cpu: int | None = None, overlap: bool | None = None) -> dict:
+    out = copy.deepcopy(profile)
+    for name, blocks in (("gpu", gpu), ("cpu", cpu)):
+        if blocks is not None:
+            out["backends"][name]["kv_blocks"] = blocks
+    if overlap is not None:
+        out["backends"]["gpu"]["overlap"] = overlap
+    return out
+
+
+PROFILES = {
+    "capacity": CAPACITY,  # the GPU schedules with overlap: it runs no step at once
+    "capacity-no-overlap": variant(CAPACITY, overlap=False),  # depth-priced steps run at once
+    "paper": variant(PAPER, 2000, 600),
+    "small-pools": variant(CAPACITY, 300, 120, overlap=False),  # evictions and preemptions
+}
+
+
+@pytest.mark.parametrize("policy", ["eta", "new-token-ratio", "makespan", "mixed", "gpu-only"])
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_the_shortcuts_predict_what_the_plain_path_does(tmp_path, monkeypatch, policy, profile):
+    """300 requests, queueing on both backends."""
+    exp = experiment(kind="trace", path=str(mooncake(tmp_path / "trace.jsonl", 300, gap_ms=5)), scale=4)
+    fast = records(exp, policy, PROFILES[profile])
+    with monkeypatch.context() as m:
+        plain(m)
+        slow = records(exp, policy, PROFILES[profile])
+    assert fast[1] == slow[1]
+    assert fast[0] == slow[0]
+    if profile == "small-pools":
+        assert fast[0]["preemptions"]["gpu"] > 0
+
+
+def test_many_tokens_at_once_are_as_many_of_one():
+    rng = random.Random(3)
+    rates = {"gpu": {"prefill_rate": 5e4, "decode_rate": 1700.0,
+                     "decode": [{"batch": b, "step_ms": 2.0 + 0.1 * b} for b in range(1, 5)]}}
+    for policy in ("eta", "eta-caps", "new-token-ratio", "oracle"):
+        one, many = Router(["gpu"], policy, rates), Router(["gpu"], policy, rates)
+        made: dict[str, int] = {}
+        for i in range(300):
+            rid, prompt, cap, length = f"r{i}", rng.randint(10, 500), rng.randint(20, 3000), rng.randint(1, 400)
+            for r in (one, many):
+                r.route(rid, prompt, cap, {}, length=length)
+                r.on_scheduled("gpu", rid, 0)
+            made[rid] = 0
+            for rid in list(made):
+                b = one.bookings["gpu"][rid]
+                n = rng.randint(1, min(40, b.max_tokens - made[rid]))
+                for _ in range(n):
+                    one.on_tokens("gpu", rid, 1)
+                many.on_tokens("gpu", rid, n)
+                made[rid] += n
+                assert (b.generated, b.left) == (many.bookings["gpu"][rid].generated,
+                                                  many.bookings["gpu"][rid].left), (policy, rid)
+                if made[rid] == b.max_tokens or rng.random() < 0.3:
+                    for r in (one, many):
+                        r.on_finished("gpu", rid, "length" if made[rid] == b.max_tokens else "stop")
+                    del made[rid]
+
+
+def test_a_kept_replay_extended_by_new_bookings_is_the_replay_from_scratch():
+    rng = random.Random(7)
+    rates = {"gpu": {"prefill_rate": 5e4, "decode_rate": 1700.0,
+                     "decode": [{"batch": b, "step_ms": 2.0 + 0.1 * b} for b in range(1, 5)]},
+             "cpu": {"prefill_rate": 1400.0, "decode_rate": 130.0,
+                     "decode": [{"batch": b, "step_ms": 27.0 + b} for b in range(1, 5)]}}
+    router = Router(["gpu", "cpu"], "makespan", rates)
+    for i in range(400):
+        prompt, cap = rng.randint(10, 4000), rng.randint(20, 2000)
+        cands = router.candidates(prompt, cap, {})
+        for b, c in cands.items():
+            timing, booked = router.timings[b], list(router.bookings[b].values())
+            work = router.work(b, booked)
+            mine = (prompt, router.expect(b, Booking("", prompt, 0, cap)))
+            assert c.eta == finish_time(timing, work, *mine)
+            assert c.drain == drain_time(timing, work, mine) and c.idle_drain == drain_time(timing, work)
+            assert Queued.of(timing, work).finish(timing, mine) == c.eta - timing.request_s
+        name = router.route(f"r{i}", prompt, cap, {})
+        if rng.random() < 0.3:  # an event: the backend's kept replay is dropped
+            booked = [rid for rid, b in router.bookings[name].items() if not b.active]
+            if booked:
+                router.on_scheduled(name, booked[0], 0)
+                router.on_tokens(name, booked[0], rng.randint(1, 5))
+        if rng.random() < 0.1:
+            done = [rid for rid, b in router.bookings[name].items() if b.active]
+            if done:
+                router.on_finished(name, done[0], "stop")
