@@ -12,7 +12,7 @@ import torch
 from conftest import prompts
 
 from mvllm import LLM, SamplingParams
-from mvllm.engine.cuda_graphs import GraphRunner
+from mvllm.engine.cuda_graphs import GraphRunner, block_tables
 from mvllm.kernels import triton_attention
 from mvllm.model.config import ModelConfig
 from mvllm.model.decoder import Rotary, rotate
@@ -62,7 +62,8 @@ def test_graph_layouts_match_standard_path(tiny, compiled, monkeypatch):
 
 
 def test_pack_builds_every_row_as_the_graph_reads_it():
-    """Decode rows (built as lists) and longer spans (numpy slices) in one step, then padding rows."""
+    """Decode rows (built as lists) and longer spans (numpy slices) in one step, then padding rows; each
+    sequence's block table once, in the row its tokens name."""
     from types import SimpleNamespace
 
     g = torch.Generator().manual_seed(5)
@@ -70,11 +71,14 @@ def test_pack_builds_every_row_as_the_graph_reads_it():
     seqs = [SimpleNamespace(token_ids=torch.randint(0, 1000, (b,), generator=g).tolist(),
                             block_table=torch.randperm(90, generator=g)[:-(-b // 16)].tolist()) for _, b in spans]
     runner, width, t_pad = SimpleNamespace(block_size=16, scratch=1440), 5, 64
-    got = GraphRunner.pack(runner, seqs, spans, t_pad, width)
-    want = [[s.token_ids[p], p, s.block_table[p // 16] * 16 + p % 16, p + 1]
-            + s.block_table + [0] * (width - len(s.block_table)) for s, (a, b) in zip(seqs, spans) for p in range(a, b)]
-    want += [[0, 0, 1440, 1] + [0] * width] * (t_pad - len(want))
+    got = GraphRunner.pack(runner, seqs, spans, t_pad)
+    want = [[s.token_ids[p], p, s.block_table[p // 16] * 16 + p % 16, p + 1, i]
+            for i, (s, (a, b)) in enumerate(zip(seqs, spans)) for p in range(a, b)]
+    want += [[0, 0, 1440, 1, 0]] * (t_pad - len(want))
     assert got.tolist() == want
+    tables = block_tables(seqs, width)
+    assert tables.tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    assert block_tables(seqs[:1], width).shape == (2, width)  # two rows at least: no size-1 specialization
 
 
 def table_case(device: str, dtype: torch.dtype, block_size: int = 16):
@@ -98,14 +102,15 @@ def test_triton_table_kernel_matches_reference(monkeypatch):
     q, cache, tables, token_seq, key_len, bs, scale = table_case("cuda" if torch.cuda.is_available() else "cpu",
                                                                  torch.float32)
     want = gathered_attention(q, cache, tables, token_seq, key_len, bs, scale)
-    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, tables, token_seq)
-    torch.testing.assert_close(triton_attention.reference(q, cache, packed, bs, scale), want, atol=2e-5, rtol=1e-4)
+    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, token_seq)
+    torch.testing.assert_close(triton_attention.reference(q, cache, packed, tables, bs, scale), want, atol=2e-5,
+                               rtol=1e-4)
     for splits in (1, 4, 16):  # one program per token, and keys split over several (decode)
-        got = triton_attention._triton(q, cache, packed, bs, scale, splits)
+        got = triton_attention._triton(q, cache, packed, tables, bs, scale, splits)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if not torch.cuda.is_available():
         return  # Triton's interpreter mishandles bf16 dots; the bf16 path is checked on the GPU
-    got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, bs, scale).float()
+    got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, tables, bs, scale).float()
     assert (got - want).abs().max() < 0.02  # bf16 inputs, float32 sums
 
 
@@ -132,8 +137,8 @@ def rope_case(device: str, dtype: torch.dtype):
     rot = Rotary(ModelConfig("llama", vocab_size=8, hidden_size=heads * d, intermediate_size=8, num_layers=1,
                              num_heads=heads, num_kv_heads=kv, head_dim=d, max_position=512, rope_theta=1e6)).to(device)
     slots = torch.tensor([3, 17, 18, 19, 39], device=device)
-    packed = triton_attention.pack_rows(positions, slots, positions + 1, torch.zeros(1, 3, dtype=torch.long,
-                                       device=device), torch.zeros(t, dtype=torch.long, device=device))
+    packed = triton_attention.pack_rows(positions, slots, positions + 1, torch.zeros(t, dtype=torch.long,
+                                                                                      device=device))
     qkv = torch.randn(t, (heads + 2 * kv) * d, generator=g).to(device, dtype)
     cache = torch.zeros(2, 40, kv, d, device=device, dtype=dtype)
     q, k = rotate(qkv.view(t, -1, d)[:, :heads + kv], rot.at(positions, dtype)).split([heads, kv], 1)

@@ -1,4 +1,4 @@
-"""Attention that reads K/V straight from the paged cache through each token's block table (no gather).
+"""Attention that reads K/V straight from the paged cache through each sequence's block table (no gather).
 
 Two custom ops. `mvllm::rope_store` rotates the new tokens' queries and keys and writes their K/V into their
 slots, in one kernel straight from the QKV projection's output. `mvllm::table_attention` then lets every new
@@ -42,7 +42,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
                eps: float = 0.0) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * D] (q | k | v), cos/sin [positions, D] (the whole rotary tables) ->
     rotated q [T, heads, D]; the rotated k and v written into cache[0] and cache[1] at each token's slot.
-    packed [T, 4 + W]: each token's (token id, position, slot, key length, block table), the compiled step's
+    packed [T, 5]: each token's (token id, position, slot, key length, sequence row), the compiled step's
     input itself (slicing it here costs no kernel; columns handed to the op would each be copied).
     With `x` (norms folded into the projection, kernels/triton_ops.py) each row is first scaled by RMSNorm's
     rstd(x); then `bias` is added."""
@@ -72,31 +72,32 @@ def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @torch.library.custom_op("mvllm::table_attention", mutates_args=())
-def table_attention(q: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor, block_size: int,
-                    scale: float) -> torch.Tensor:
-    """q [T, H, D], cache [2, slots, Hkv, D] (the new tokens' K/V already in it), packed as rope_store's:
-    token t attends to the first packed[t, 3] keys of the block table packed[t, 4:]; returns [T, H * D]."""
+def table_attention(q: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor, tables: torch.Tensor,
+                    block_size: int, scale: float) -> torch.Tensor:
+    """q [T, H, D], cache [2, slots, Hkv, D] (the new tokens' K/V already in it), packed as rope_store's,
+    tables [sequences, W]: token t attends to the first packed[t, 3] keys of the block table
+    tables[packed[t, 4]]; returns [T, H * D]."""
     if q.is_cuda and triton is not None:
-        return _triton(q, cache, packed, block_size, scale)
-    return reference(q, cache, packed, block_size, scale)
+        return _triton(q, cache, packed, tables, block_size, scale)
+    return reference(q, cache, packed, tables, block_size, scale)
 
 
 @table_attention.register_fake
-def _(q, cache, packed, block_size, scale):
+def _(q, cache, packed, tables, block_size, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor, tables: torch.Tensor,
+def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor,
               token_seq: torch.Tensor) -> torch.Tensor:
-    """The packed [T, 4 + W] input from per-token columns and per-sequence block tables (token ids left 0)."""
-    return torch.cat([torch.zeros_like(positions).unsqueeze(1), positions.unsqueeze(1), slots.unsqueeze(1),
-                      key_len.unsqueeze(1), tables[token_seq]], dim=1)
+    """The packed [T, 5] input from per-token columns (token ids left 0); token_seq: each token's row of the
+    step's tables."""
+    return torch.stack([torch.zeros_like(positions), positions, slots, key_len, token_seq], dim=1)
 
 
-def reference(q, cache, packed, block_size: int, scale: float) -> torch.Tensor:
+def reference(q, cache, packed, tables, block_size: int, scale: float) -> torch.Tensor:
     """The same attention in PyTorch: each token's keys gathered slot by slot, masked past its key length."""
     t, h, d = q.shape
-    tables, key_len = packed[:, 4:], packed[:, 3]
+    tables, key_len = tables[packed[:, 4]], packed[:, 3]
     width = tables.shape[1] * block_size
     slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).view(t, width)
     keys, values = cache[:, slots].transpose(2, 3).unbind(0)  # [T, Hkv, width, D]
@@ -106,7 +107,7 @@ def reference(q, cache, packed, block_size: int, scale: float) -> torch.Tensor:
     return out.reshape(t, h * d)
 
 
-def _triton(q, cache, packed, block_size: int, scale: float, splits: int | None = None) -> torch.Tensor:
+def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int | None = None) -> torch.Tensor:
     t, h, d = q.shape
     hkv = cache.shape[2]
     group = h // hkv
@@ -117,9 +118,9 @@ def _triton(q, cache, packed, block_size: int, scale: float, splits: int | None 
         part = dict(acc=q.new_empty(t, splits, h, d, dtype=torch.float32),
                     m=q.new_empty(t, splits, h, dtype=torch.float32), l=q.new_empty(t, splits, h, dtype=torch.float32))
     _rows_kernel[(t, hkv, splits)](
-        q, cache, out, part["acc"], part["m"], part["l"], packed, scale,
+        q, cache, out, part["acc"], part["m"], part["l"], packed, tables, scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
-        packed.stride(1), out.stride(0), out.stride(1),
+        packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block_size,
         BLOCK_N=max(64, block_size), SPLITS=splits, IEEE=q.dtype == torch.float32)
     if splits > 1:
@@ -210,8 +211,8 @@ if triton is not None:
         tl.store(out + HALF + i, r2)
 
     @triton.jit
-    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, scale,
-                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, so_t, so_h,
+    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, tables_ptr, scale,
+                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
         """Program (token, KV head, split): the split's share of the token's keys, for the KV head's group
@@ -223,7 +224,7 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n)
-        table = packed_ptr + row * s_row + 4 * s_col
+        table = tables_ptr + tl.load(packed_ptr + row * s_row + 4 * s_col) * st_seq
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D)
         heads = kvh * GROUP + g
@@ -234,7 +235,7 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             valid = j < hi
-            block = tl.load(table + (j // BLOCK) * s_col, mask=valid, other=0)
+            block = tl.load(table + (j // BLOCK) * st_col, mask=valid, other=0)
             at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
             keys = tl.load(cache_ptr + at, mask=valid[:, None], other=0.0)
             if IEEE:
