@@ -5,8 +5,9 @@ Every new token is one query row that reads its own sequence's blocks, so a step
 count T, padded up to a bucket (token_buckets: a ladder, so a large max_active adds a few graphs, not one per
 size). Steps of up to max(64, max_active) tokens run the LM head and the greedy argmax in their graph too, so
 a greedy decode step is one replay and one copy of the token ids back. Inputs live in two static int64
-buffers, filled by a host-to-device copy each per step: the tokens' [T, 5] (token, position, slot, context
-length, its sequence's row of the tables) and the sequences' block tables [max_active, W]. Padding rows
+buffers, filled by a host-to-device copy each per step: the tokens' [T, 6] (token, position, slot, context
+length, its sequence's row of the tables, and the first rows of the long-prefill kernel's tiles) and the
+sequences' block tables [max_active, W]. Padding rows
 write their K/V to a scratch slot and attend to one key; their outputs are ignored.
 
 Two ways to run a step:
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from mvllm.engine.sequence import Sequence
+from mvllm.kernels.triton_attention import TILED_FROM, tile_starts
 from mvllm.kernels.triton_ops import argmax, fold_norms
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
@@ -93,7 +95,7 @@ class GraphRunner:
         # one static input per token bucket: the compiled step is never handed a view (a view of a larger
         # buffer is guarded on its base's size, and would compile again)
         with torch.inference_mode():  # as the steps' own tensors: one kind of input for the compiled step
-            self.inputs = {t: torch.zeros(t, 5, dtype=torch.long, device=device) for t in self.token_buckets}
+            self.inputs = {t: torch.zeros(t, 6, dtype=torch.long, device=device) for t in self.token_buckets}
             self.tables = torch.zeros(max(2, max_active), self.width, dtype=torch.long, device=device)
             self.hidden = torch.zeros(t_max, model.cfg.hidden_size, dtype=caches[0].dtype, device=device)
             # steps of up to head_rows tokens also run the LM head and the argmax inside their graph
@@ -138,8 +140,10 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        for x in self.inputs.values():
-            x[:, 2], x[:, 3] = self.scratch, 1
+        for t, x in self.inputs.items():
+            x[:, 2], x[:, 3], x[:, 5] = self.scratch, 1, t
+            starts = tile_starts([], t)
+            x[:len(starts), 5] = torch.tensor(starts)
         pool = None
         for lk in reversed(self.context_buckets):
             for t in reversed(self.token_buckets):
@@ -163,12 +167,12 @@ class GraphRunner:
         return (tb, cb) if tb is not None else (max(t, 2), cb)  # compiled: beyond the buckets, ungraphed
 
     def pack(self, seqs: list[Sequence], spans: list[tuple[int, int]], t_pad: int) -> np.ndarray:
-        """The step's token rows [t_pad, 5]: a decode row (one new token) is built as a Python list, as numpy
+        """The step's token rows [t_pad, 6]: a decode row (one new token) is built as a Python list, as numpy
         costs microseconds per call and a batch of them would pay it several times a row; a longer span is
         filled with numpy slices. Rows past the step's tokens are padding (scratch slot, one key)."""
         bs = self.block_size
-        buf = np.zeros((t_pad, 5), dtype=np.int64)
-        buf[:, 2], buf[:, 3] = self.scratch, 1
+        buf = np.zeros((t_pad, 6), dtype=np.int64)
+        buf[:, 2], buf[:, 3], buf[:, 5] = self.scratch, 1, t_pad
         row, singles, at = 0, [], []
         for i, (seq, (a, b)) in enumerate(zip(seqs, spans)):
             n = b - a
@@ -180,7 +184,10 @@ class GraphRunner:
                 fill_span(buf, row, seq, a, b, i, bs)
             row += n
         if singles:
-            buf[at] = singles
+            buf[at, :5] = singles
+        if t_pad >= TILED_FROM:  # the tiled attention kernel's tiles (smaller steps run the per-token one)
+            starts = tile_starts([b - a for a, b in spans], t_pad)
+            buf[:len(starts), 5] = starts
         return buf
 
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],

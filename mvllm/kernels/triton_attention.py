@@ -11,7 +11,13 @@ programs and a second kernel merges their partial sums (flash-decoding). Elsewhe
 tests) both run in plain PyTorch. torch.compile sees each op as one opaque call (rope_store mutates the
 cache), so the rest of the layer fuses around them: three kernels per layer for rotary, the cache write and
 attention, where inductor's rotary, two index copies, attention and copies of its inputs took eight. Both ops
-read the step's packed input (one row per token: token id, position, slot, key length, block table) whole.
+read the step's packed input whole: one row per token (token id, position, slot, key length, the row of its
+sequence in `tables`, and a tile's first row: see below), and the attention reads `tables` [sequences, W],
+each sequence's block table once: a step's input grows with its tokens plus its sequences' blocks, not with
+their product. A step of TILED_FROM tokens or more (a long prefill) runs another attention kernel: a program
+per tile of up to TILE consecutive tokens of one sequence (and KV head) streams the sequence's keys once for all
+of them, causally, instead of once per token; column 5 lists the tiles' first rows (then T), as `tile_starts`
+cuts a step's spans.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from mvllm.kernels import cpu_fused
+
+TILE = 16  # tokens a program of the tiled (prefill) kernel takes
+TILED_FROM = 512  # steps of this many tokens or more run the tiled kernel
 
 try:
     import triton
@@ -42,7 +51,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
                eps: float = 0.0) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * D] (q | k | v), cos/sin [positions, D] (the whole rotary tables) ->
     rotated q [T, heads, D]; the rotated k and v written into cache[0] and cache[1] at each token's slot.
-    packed [T, 5]: each token's (token id, position, slot, key length, sequence row), the compiled step's
+    packed [T, 6]: each token's (token id, position, slot, key length, sequence row, tile start), the step's
     input itself (slicing it here costs no kernel; columns handed to the op would each be copied).
     With `x` (norms folded into the projection, kernels/triton_ops.py) each row is first scaled by RMSNorm's
     rstd(x); then `bias` is added."""
@@ -87,11 +96,25 @@ def _(q, cache, packed, tables, block_size, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor,
-              token_seq: torch.Tensor) -> torch.Tensor:
-    """The packed [T, 5] input from per-token columns (token ids left 0); token_seq: each token's row of the
-    step's tables."""
-    return torch.stack([torch.zeros_like(positions), positions, slots, key_len, token_seq], dim=1)
+def tile_starts(counts: list[int], t_pad: int) -> list[int]:
+    """The first row of every tile: each sequence's rows (`counts` of them, in order) cut every TILE rows, then
+    the padding rows up to t_pad likewise."""
+    starts, row = [], 0
+    for n in [*counts, t_pad - sum(counts)]:
+        starts += range(row, row + n, TILE)
+        row += n
+    return starts
+
+
+def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor, token_seq: torch.Tensor,
+              counts: list[int]) -> torch.Tensor:
+    """The packed [T, 6] input from per-token columns (token ids left 0); token_seq: each token's row of the
+    step's tables, counts: each sequence's tokens."""
+    t = len(positions)
+    starts = torch.full_like(positions, t)
+    first = tile_starts(counts, t)
+    starts[:len(first)] = torch.tensor(first, dtype=starts.dtype)
+    return torch.stack([torch.zeros_like(positions), positions, slots, key_len, token_seq, starts], dim=1)
 
 
 def reference(q, cache, packed, tables, block_size: int, scale: float) -> torch.Tensor:
@@ -111,8 +134,17 @@ def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int
     t, h, d = q.shape
     hkv = cache.shape[2]
     group = h // hkv
-    splits = splits or _splits(t * hkv, q.device)
     out = q.new_empty(t, h, d)
+    if splits is None and t >= TILED_FROM or splits == 0:  # splits=0: the tiled kernel whatever the size (tests)
+        group_pad = triton.next_power_of_2(group)
+        _tiles_kernel[(t, hkv)](
+            q, cache, out, packed, tables, scale, t,
+            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
+            packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, ROWS=TILE, D=d, BLOCK=block_size, BLOCK_N=max(64, block_size),
+            IEEE=q.dtype == torch.float32, num_warps=8 if TILE * group_pad >= 128 else 4)
+        return out.view(t, h * d)
+    splits = splits or _splits(t * hkv, q.device)
     part = dict(acc=out, m=out, l=out)  # unused when one split writes the output itself
     if splits > 1:
         part = dict(acc=q.new_empty(t, splits, h, d, dtype=torch.float32),
@@ -263,6 +295,60 @@ if triton is not None:
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=mask)
             tl.store(m_ptr + at, m, mask=g < GROUP)
             tl.store(l_ptr + at, total, mask=g < GROUP)
+
+    @triton.jit
+    def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, scale, T,
+                      sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Program (tile, KV head): the tile's tokens (up to ROWS consecutive rows of one sequence, from column 5)
+        times the KV head's group of query heads, as one block of queries over the sequence's keys up to the
+        tile's longest key length, each token masked past its own (causal within a prefill). Programs past the
+        last tile return at once."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r0 = tl.load(packed_ptr + tile * s_row + 5 * s_col)
+        if r0 >= T:
+            return
+        nxt = tl.load(packed_ptr + (tile + 1) * s_row + 5 * s_col, mask=tile + 1 < T, other=T)
+        n = tl.minimum(nxt, T) - r0
+        i = tl.arange(0, ROWS * GROUP_PAD)
+        m = i // GROUP_PAD
+        g = i % GROUP_PAD
+        valid = (m < n) & (g < GROUP)
+        rows = r0 + m
+        heads = kvh * GROUP + g
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
+        key_len = tl.load(packed_ptr + rows * s_row + 3 * s_col, mask=m < n, other=1)
+        hi = tl.max(key_len, 0)
+        table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
+        mx = tl.full([ROWS * GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS * GROUP_PAD], tl.float32)
+        acc = tl.zeros([ROWS * GROUP_PAD, D], tl.float32)
+        for start in range(0, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            inside = j < hi
+            block = tl.load(table + (j // BLOCK) * st_col, mask=inside, other=0)
+            at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
+            keys = tl.load(cache_ptr + at, mask=inside[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(keys)) * scale
+            s = tl.where(j[None, :] < key_len[:, None], s, float("-inf"))
+            m_new = tl.maximum(mx, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(mx - m_new)
+            values = tl.load(cache_ptr + sc_kv + at, mask=inside[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            total = total * alpha + tl.sum(p, 1)
+            mx = m_new
+        tl.store(out_ptr + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
+                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, H: tl.constexpr, D: tl.constexpr,
