@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mvllm.engine.cuda_graphs import GraphRunner, fill_span
+from mvllm.engine.cuda_graphs import GraphRunner, block_tables, fill_span
 from mvllm.kernels.triton_attention import TILED_FROM, tile_starts
 
 BLOCK, SCRATCH = 16, 99_999
@@ -60,6 +60,15 @@ def main() -> None:
         old = best_us(numpy_slices, seqs, spans, t_pad)
         new = best_us(GraphRunner.pack, runner, seqs, spans, t_pad)
         print(f"{name:22s} numpy slices {old:7.1f} µs   pack {new:7.1f} µs   {old / new:5.2f}x", flush=True)
+    # a long prompt beside long decodes: the step's input with each sequence's table once, against a table per token
+    rng = random.Random(0)
+    lens = [21_793] + [rng.randrange(2_000, 30_000) for _ in range(8)]
+    seqs, spans = batch(rng, [(0, lens[0])] + [(n - 1, n) for n in lens[1:]])
+    t_pad, width = sum(b - a for a, b in spans), max(len(s.block_table) for s in seqs)
+    took = best_us(lambda: (GraphRunner.pack(runner, seqs, spans, t_pad), block_tables(seqs, width)), repeats=3)
+    rows, tables = GraphRunner.pack(runner, seqs, spans, t_pad), block_tables(seqs, width)
+    print(f"21,793-token prompt + 8 decodes (width {width}): {(rows.nbytes + tables.nbytes) / 1e6:.2f} MB in "
+          f"{took / 1e3:.1f} ms; a table per token would be {t_pad * (4 + width) * 8 / 1e6:.0f} MB")
 
 
 if __name__ == "__main__":
