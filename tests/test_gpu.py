@@ -61,6 +61,32 @@ def test_graph_layouts_match_standard_path(tiny, compiled, monkeypatch):
     assert r.graphs.steps >= 12
 
 
+def test_compiled_step_compiles_once_for_every_size(tiny, monkeypatch):
+    """The compiled step traced in capture's order (largest bucket first), then steps beyond the buckets with
+    other numbers of sequences and table widths: one graph, no recompile (a size that matched another when it
+    traced, as max_active 16 and a 16-block table here, must not become a guard)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr("mvllm.engine.model_runner.packable", lambda *a: False)
+    llm = LLM(str(tiny("llama")[0]), dtype="float32", num_blocks=256, max_active=16, fused=False)
+    r = llm.engine.runner
+    g = GraphRunner(r.model, r.caches, r.block_size, 16, llm.engine.max_model_len, r.caches[0].shape[1] - 1,
+                    capture=False, compiled=True)
+    assert g.tables.shape == (16, 16)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for t in reversed(g.token_buckets):
+            x = g.inputs[t]
+            x[:, 2], x[:, 3] = g.scratch, 1
+            g.step(x, g.tables)
+        for b, used, t in [(3, 40, 3000), (5, 2, 2500), (2, 7, 4096)]:
+            x = torch.zeros(t, 6, dtype=torch.long)
+            x[:, 2], x[:, 3], x[:, 5] = g.scratch, 1, t
+            g.step(x, torch.zeros(b, used, dtype=torch.long))
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_pack_builds_every_row_as_the_graph_reads_it():
     """Decode rows (built as lists) and longer spans (numpy slices) in one step, then padding rows; each
     sequence's block table once, in the row its tokens name."""

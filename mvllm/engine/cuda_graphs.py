@@ -107,6 +107,9 @@ class GraphRunner:
         if compiled:
             fold_norms(model)
             use_compile_cache()
+            # one compile for every size: no "duck" equality between sizes that happen to match when it traces
+            # (the 2,048-token bucket and a 2,048-block table width would otherwise compile again later)
+            torch.fx.experimental._config.use_duck_shape = False
             self.step = torch.compile(self._table_step, dynamic=True, fullgraph=True)
         if capture:
             self.capture()
