@@ -304,51 +304,50 @@ if triton is not None:
         """Program (tile, KV head): the tile's tokens (up to ROWS consecutive rows of one sequence, from column 5)
         times the KV head's group of query heads, as one block of queries over the sequence's keys up to the
         tile's longest key length, each token masked past its own (causal within a prefill). Programs past the
-        last tile return at once."""
+        last tile do nothing."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         r0 = tl.load(packed_ptr + tile * s_row + 5 * s_col)
-        if r0 >= T:
-            return
-        nxt = tl.load(packed_ptr + (tile + 1) * s_row + 5 * s_col, mask=tile + 1 < T, other=T)
-        n = tl.minimum(nxt, T) - r0
-        i = tl.arange(0, ROWS * GROUP_PAD)
-        m = i // GROUP_PAD
-        g = i % GROUP_PAD
-        valid = (m < n) & (g < GROUP)
-        rows = r0 + m
-        heads = kvh * GROUP + g
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
-        key_len = tl.load(packed_ptr + rows * s_row + 3 * s_col, mask=m < n, other=1)
-        hi = tl.max(key_len, 0)
-        table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
-        mx = tl.full([ROWS * GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([ROWS * GROUP_PAD], tl.float32)
-        acc = tl.zeros([ROWS * GROUP_PAD, D], tl.float32)
-        for start in range(0, hi, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            inside = j < hi
-            block = tl.load(table + (j // BLOCK) * st_col, mask=inside, other=0)
-            at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
-            keys = tl.load(cache_ptr + at, mask=inside[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(keys)) * scale
-            s = tl.where(j[None, :] < key_len[:, None], s, float("-inf"))
-            m_new = tl.maximum(mx, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(mx - m_new)
-            values = tl.load(cache_ptr + sc_kv + at, mask=inside[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-            total = total * alpha + tl.sum(p, 1)
-            mx = m_new
-        tl.store(out_ptr + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
-                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        if r0 < T:  # programs past the last tile do nothing
+            nxt = tl.load(packed_ptr + (tile + 1) * s_row + 5 * s_col, mask=tile + 1 < T, other=T)
+            n = tl.minimum(nxt, T) - r0
+            i = tl.arange(0, ROWS * GROUP_PAD)
+            m = i // GROUP_PAD
+            g = i % GROUP_PAD
+            valid = (m < n) & (g < GROUP)
+            rows = r0 + m
+            heads = kvh * GROUP + g
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
+            key_len = tl.load(packed_ptr + rows * s_row + 3 * s_col, mask=m < n, other=1)
+            hi = tl.max(key_len, 0)
+            table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
+            mx = tl.full([ROWS * GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([ROWS * GROUP_PAD], tl.float32)
+            acc = tl.zeros([ROWS * GROUP_PAD, D], tl.float32)
+            for start in range(0, hi, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                inside = j < hi
+                block = tl.load(table + (j // BLOCK) * st_col, mask=inside, other=0)
+                at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
+                keys = tl.load(cache_ptr + at, mask=inside[:, None], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+                else:
+                    s = tl.dot(q, tl.trans(keys)) * scale
+                s = tl.where(j[None, :] < key_len[:, None], s, float("-inf"))
+                m_new = tl.maximum(mx, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(mx - m_new)
+                values = tl.load(cache_ptr + sc_kv + at, mask=inside[:, None], other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+                total = total * alpha + tl.sum(p, 1)
+                mx = m_new
+            tl.store(out_ptr + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
+                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, H: tl.constexpr, D: tl.constexpr,
