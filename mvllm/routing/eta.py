@@ -171,7 +171,7 @@ class Queued:
         request is a mark, the count of decode steps after which it ends; a stretch of steps between two ends
         costs its length times the step time of the batch that runs it, the full batch's while a queue waits."""
         prefill_s, top = timing.priced, timing.max_active
-        full, memo, marks, t, done = timing.step_s[top - 1], timing.memo, self.marks, self.t, self.done
+        full, memo, marks, t, done = timing.step_s[-1], timing.memo, self.marks, self.t, self.done
         queue = iter(waiting)
         if len(marks) < top:
             for prefill, decode in queue:  # free slots first (or more running than max_active: none free)
@@ -179,10 +179,7 @@ class Queued:
                 heappush(marks, done + decode)
                 if len(marks) == top:
                     break
-        while len(marks) > top:
-            end = heappop(marks)
-            t += (end - done) * full
-            done = end
+        t, done = _run_down(marks, t, done, full, top)
         for prefill, decode in queue:  # the batch stays full: each one starts as the first of it ends
             end = marks[0]
             t += (end - done) * full
@@ -194,11 +191,8 @@ class Queued:
 
     def finish(self, timing: Timing, new: tuple[int, int]) -> float:
         """Seconds until a new request, (prefill, decode), queued behind all of it would finish."""
-        marks, t, done, full, top = list(self.marks), self.t, self.done, timing.step_s[-1], timing.max_active
-        while len(marks) >= top:
-            end = heappop(marks)
-            t += (end - done) * full
-            done = end
+        marks = list(self.marks)
+        t, done = _run_down(marks, self.t, self.done, timing.step_s[-1], timing.max_active - 1)
         t += timing.priced(new[0])
         marks.sort()
         return _walk(marks, timing.step_s, t, done, done + new[1], len(marks) + 1)
@@ -207,16 +201,10 @@ class Queued:
         """Seconds until all of it, and `new` if given, has finished."""
         marks, t, done, full, top = list(self.marks), self.t, self.done, timing.step_s[-1], timing.max_active
         if new is not None:
-            while len(marks) >= top:
-                end = heappop(marks)
-                t += (end - done) * full
-                done = end
+            t, done = _run_down(marks, t, done, full, top - 1)
             t += timing.priced(new[0])
             heappush(marks, done + new[1])
-        while len(marks) > top:
-            end = heappop(marks)
-            t += (end - done) * full
-            done = end
+        t, done = _run_down(marks, t, done, full, top)
         return _walk(sorted(marks), timing.step_s, t, done)
 
 
@@ -230,6 +218,15 @@ def drain_time(timing: Timing, work: Work | Queued, new: tuple[int, int] | None 
     """Seconds from now until all booked work (and `new`, (prefill, decode), if given) has finished."""
     q = work if isinstance(work, Queued) else Queued.of(timing, work)
     return (timing.request_s if new else 0.0) + q.drain(timing, new)
+
+
+def _run_down(marks: list[int], t: float, done: int, full: float, keep: int) -> tuple[float, int]:
+    """Full-batch steps until at most `keep` of the heap `marks` are left: (t, done) then."""
+    while len(marks) > keep:
+        end = heappop(marks)
+        t += (end - done) * full
+        done = end
+    return t, done
 
 
 def _walk(ends: list[int], steps: list[float], t: float, done: int = 0, last: int | None = None,

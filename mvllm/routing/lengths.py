@@ -83,18 +83,19 @@ class Lengths:
         room, times = cap - generated, self.times
         if room <= 1 or not times:
             return max(room, 0)
-        surv, area = self.surv, self.area
-        j = bisect_right(times, cap - 1) - 1
-        a_cap = cap if j < 0 else area[j] + (cap - times[j]) * surv[j]
+        a_cap = self._a(cap)
         if not generated:  # a waiting request: S(0) = 1 and A(0) = 0, every length seen being at least 1
             return max(1, min(room, round(a_cap)))
         j = bisect_right(times, generated) - 1
-        s = surv[j] if j >= 0 else 1.0
+        s = self.surv[j] if j >= 0 else 1.0
         if s <= 0.0:  # it outlived every length seen
             return room
-        j = bisect_right(times, generated - 1) - 1
-        a_made = generated if j < 0 else area[j] + (generated - times[j]) * surv[j]
-        return max(1, min(room, round((a_cap - a_made) / s)))
+        return max(1, min(room, round((a_cap - self._a(generated)) / s)))
+
+    def _a(self, x: int) -> float:
+        """A(x): the sum of S(t) for t < x."""
+        j = bisect_right(self.times, x - 1) - 1
+        return x if j < 0 else self.area[j] + (x - self.times[j]) * self.surv[j]
 
     def state(self) -> str:
         """What the estimate rests on, for the routing log."""

@@ -144,13 +144,8 @@ class Router:
         self.fitted = self.lengths.fits
         self.replayed.clear()
         for name, booked in self.bookings.items():
-            if self.estimating:  # expect's "estimate", without a call of it for each of a long queue
-                left = self.lengths.left
-                for b in booked.values():
-                    b.left = left(b.generated, b.max_tokens)
-            else:
-                for b in booked.values():
-                    b.left = self.expect(name, b)
+            for b in booked.values():
+                b.left = self.expect(name, b)
 
     def candidates(self, prompt_tokens: int, max_tokens: int, cached: dict[str, int],
                    length: int | None = None) -> dict[str, Candidate]:
