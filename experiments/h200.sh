@@ -20,7 +20,7 @@
 #   RUNS=results/capacity bash experiments/h200.sh depth   # decode priced by context (issue 50): the profile with
 #                                    # depth rows, the trace window predicted from it, then measured (gpu-only, eta);
 #                                    # slo: the load each holds at an SLO, measured (`bench --slo`) from that profile
-#   RUNS=results/capacity/pace bash experiments/h200.sh pace   # the 3x point again after the step input's change:
+#   RUNS=results/capacity/pace bash experiments/h200.sh pace   # the 3x point again (results/capacity/README.md):
 #                                    # the profile (as depth), the prediction, then gpu-only and eta measured
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
