@@ -12,7 +12,7 @@ import torch
 from conftest import prompts
 
 from mvllm import LLM, SamplingParams
-from mvllm.engine.cuda_graphs import GraphRunner
+from mvllm.engine.cuda_graphs import GraphRunner, block_tables
 from mvllm.kernels import triton_attention
 from mvllm.model.config import ModelConfig
 from mvllm.model.decoder import Rotary, rotate
@@ -61,20 +61,52 @@ def test_graph_layouts_match_standard_path(tiny, compiled, monkeypatch):
     assert r.graphs.steps >= 12
 
 
+def test_compiled_step_compiles_once_for_every_size(tiny, monkeypatch):
+    """The compiled step traced in capture's order (largest bucket first), then steps beyond the buckets with
+    other numbers of sequences and table widths: one graph, no recompile (a size that matched another when it
+    traced, as max_active 16 and a 16-block table here, must not become a guard)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr("mvllm.engine.model_runner.packable", lambda *a: False)
+    llm = LLM(str(tiny("llama")[0]), dtype="float32", num_blocks=256, max_active=16, fused=False)
+    r = llm.engine.runner
+    g = GraphRunner(r.model, r.caches, r.block_size, 16, llm.engine.max_model_len, r.caches[0].shape[1] - 1,
+                    capture=False, compiled=True)
+    assert g.tables.shape == (16, 16)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for t in reversed(g.token_buckets):
+            x = g.inputs[t]
+            x[:, 2], x[:, 3] = g.scratch, 1
+            g.step(x, g.tables)
+        for b, used, t in [(3, 40, 3000), (5, 2, 2500), (2, 7, 4096)]:
+            x = torch.zeros(t, 6, dtype=torch.long)
+            x[:, 2], x[:, 3], x[:, 5] = g.scratch, 1, t
+            g.step(x, torch.zeros(b, used, dtype=torch.long))
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_pack_builds_every_row_as_the_graph_reads_it():
-    """Decode rows (built as lists) and longer spans (numpy slices) in one step, then padding rows."""
+    """Decode rows (built as lists) and longer spans (numpy slices) in one step, then padding rows; each
+    sequence's block table once, in the row its tokens name."""
     from types import SimpleNamespace
 
     g = torch.Generator().manual_seed(5)
     spans = [(40, 41), (0, 7), (16, 17), (30, 52), (5, 6)]
     seqs = [SimpleNamespace(token_ids=torch.randint(0, 1000, (b,), generator=g).tolist(),
                             block_table=torch.randperm(90, generator=g)[:-(-b // 16)].tolist()) for _, b in spans]
-    runner, width, t_pad = SimpleNamespace(block_size=16, scratch=1440), 5, 64
-    got = GraphRunner.pack(runner, seqs, spans, t_pad, width)
-    want = [[s.token_ids[p], p, s.block_table[p // 16] * 16 + p % 16, p + 1]
-            + s.block_table + [0] * (width - len(s.block_table)) for s, (a, b) in zip(seqs, spans) for p in range(a, b)]
-    want += [[0, 0, 1440, 1] + [0] * width] * (t_pad - len(want))
+    runner, width, t_pad = SimpleNamespace(block_size=16, scratch=1440), 5, 512  # the tiled kernel's size
+    got = GraphRunner.pack(runner, seqs, spans, t_pad)
+    want = [[s.token_ids[p], p, s.block_table[p // 16] * 16 + p % 16, p + 1, i]
+            for i, (s, (a, b)) in enumerate(zip(seqs, spans)) for p in range(a, b)]
+    want += [[0, 0, 1440, 1, 0]] * (t_pad - len(want))
+    starts = [0, 1, 8, 9, 25, 31, *range(32, 512, 16)]  # each sequence's rows cut every 16, then the padding's
+    want = [row + [starts[i] if i < len(starts) else t_pad] for i, row in enumerate(want)]
     assert got.tolist() == want
+    tables = block_tables(seqs, width)
+    assert tables.tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    assert block_tables(seqs[:1], width).shape == (2, width)  # two rows at least: no size-1 specialization
 
 
 def table_case(device: str, dtype: torch.dtype, block_size: int = 16):
@@ -98,15 +130,43 @@ def test_triton_table_kernel_matches_reference(monkeypatch):
     q, cache, tables, token_seq, key_len, bs, scale = table_case("cuda" if torch.cuda.is_available() else "cpu",
                                                                  torch.float32)
     want = gathered_attention(q, cache, tables, token_seq, key_len, bs, scale)
-    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, tables, token_seq)
-    torch.testing.assert_close(triton_attention.reference(q, cache, packed, bs, scale), want, atol=2e-5, rtol=1e-4)
-    for splits in (1, 4, 16):  # one program per token, and keys split over several (decode)
-        got = triton_attention._triton(q, cache, packed, bs, scale, splits)
+    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, token_seq, [1, 4, 1])
+    torch.testing.assert_close(triton_attention.reference(q, cache, packed, tables, bs, scale), want, atol=2e-5,
+                               rtol=1e-4)
+    for splits in (1, 4, 16, 0):  # a program per token, keys split over several (decode), the tiled kernel
+        got = triton_attention._triton(q, cache, packed, tables, bs, scale, splits)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if not torch.cuda.is_available():
         return  # Triton's interpreter mishandles bf16 dots; the bf16 path is checked on the GPU
-    got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, bs, scale).float()
+    got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, tables, bs, scale).float()
     assert (got - want).abs().max() < 0.02  # bf16 inputs, float32 sums
+
+
+@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+                    "ship without it); the kernel runs on the GPU machine's tests")
+def test_tiled_kernel_matches_reference_across_tiles():
+    """A long prefill's kernel: 45 new tokens after 30 cached (three tiles, keys past one 64-key block), beside a
+    decode token and a lone first token, then padding rows; as many rows again run the per-token kernel."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton without CUDA: set TRITON_INTERPRET=1 to run the kernel on the CPU")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    hkv, group, d, bs, blocks = 2, 7, 64, 16, 16
+    cache = torch.randn(2, blocks * bs + 1, hkv, d, generator=g).to(dev)
+    tables = torch.randperm(blocks, generator=g)[:15].view(3, 5).to(dev)
+    counts, pad = [45, 1, 1], 5
+    key_len = torch.tensor(list(range(31, 76)) + [60, 1] + [1] * pad, device=dev)
+    token_seq = torch.tensor([0] * 45 + [1, 2] + [0] * pad, device=dev)
+    q = torch.randn(len(key_len), hkv * group, d, generator=g).to(dev)
+    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, token_seq, counts)
+    assert packed[:, 5].tolist()[:6] == [0, 16, 32, 45, 46, 47] and set(packed[6:, 5].tolist()) == {len(key_len)}
+    want = gathered_attention(q, cache, tables, token_seq, key_len, bs, d ** -0.5)[:47]
+    for splits in (0, 1):
+        got = triton_attention._triton(q, cache, packed, tables, bs, d ** -0.5, splits)[:47]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    if torch.cuda.is_available():  # bf16 inputs, float32 sums
+        got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, tables, bs, d ** -0.5, 0)[:47]
+        assert (got.float() - want).abs().max() < 0.02
 
 
 def gathered_attention(q, cache, tables, token_seq, key_len, block_size: int, scale: float) -> torch.Tensor:
@@ -132,8 +192,8 @@ def rope_case(device: str, dtype: torch.dtype):
     rot = Rotary(ModelConfig("llama", vocab_size=8, hidden_size=heads * d, intermediate_size=8, num_layers=1,
                              num_heads=heads, num_kv_heads=kv, head_dim=d, max_position=512, rope_theta=1e6)).to(device)
     slots = torch.tensor([3, 17, 18, 19, 39], device=device)
-    packed = triton_attention.pack_rows(positions, slots, positions + 1, torch.zeros(1, 3, dtype=torch.long,
-                                       device=device), torch.zeros(t, dtype=torch.long, device=device))
+    packed = triton_attention.pack_rows(positions, slots, positions + 1, torch.zeros(t, dtype=torch.long,
+                                                                                      device=device), [t])
     qkv = torch.randn(t, (heads + 2 * kv) * d, generator=g).to(device, dtype)
     cache = torch.zeros(2, 40, kv, d, device=device, dtype=dtype)
     q, k = rotate(qkv.view(t, -1, d)[:, :heads + kv], rot.at(positions, dtype)).split([heads, kv], 1)
@@ -235,6 +295,29 @@ def test_fast_paths_match_eager(model, dtype, path):
     assert eager.engine.scheduler.num_preemptions > 0 and fast.engine.scheduler.num_preemptions > 0
     asked = workload_prompts(vocab, 496)[1:] + churn_prompts(vocab)
     assert_same_or_tie(got, want, asked, eager, exact=dtype == "float32" or path == "plain-graphs")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_prefill_tiles_match_the_per_token_kernel(dtype, monkeypatch):
+    """A 1,500-token prefill's logits at every position through the tiled attention kernel and through the
+    per-token one: the same in float32; in bf16 the mean KL and the top-1 agreement between the two."""
+    from mvllm.profile.accuracy import logits
+
+    llm = LLM("synthetic:qwen2.5-0.5b", device="cuda", dtype=dtype, max_active=4, num_blocks=200)
+    ids = prompts(3, [1500], vocab=llm.engine.source.config.vocab_size)[0]
+    model, dev, dt = llm.engine.model, torch.device("cuda"), getattr(torch, dtype)
+    tiled = logits(model, ids, dev, dt, layout="table")
+    monkeypatch.setattr(triton_attention, "TILED_FROM", 10 ** 9)
+    rows = logits(model, ids, dev, dt, layout="table")
+    kl = torch.nn.functional.kl_div(tiled.log_softmax(-1), rows.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    top1 = (tiled.argmax(-1) == rows.argmax(-1)).float().mean().item()
+    print(f"{dtype}: tiled against per-token kernel over {len(ids)} positions: KL {kl:.2e}, top-1 {top1:.4f}")
+    if dtype == "float32":
+        torch.testing.assert_close(tiled, rows, atol=1e-3, rtol=1e-3)
+    else:
+        assert kl < 1e-2 and top1 > 0.9
 
 
 @cuda

@@ -41,8 +41,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (with --scale)")
     ap.add_argument("--scale", type=int, default=1, help="divide every length by this")
     ap.add_argument("--cases", help="comma-separated indices into CASES (default: all)")
+    ap.add_argument("--per-token", action="store_true", help="every step through the per-token attention kernel "
+                    "(no tiled kernel for long steps), for a same-machine comparison")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
+    if a.per_token:
+        from mvllm.kernels import triton_attention
+        triton_attention.TILED_FROM = 10 ** 9
     t0 = time.perf_counter()
     llm = LLM(a.model, device=a.device, dtype="bfloat16" if a.device == "cuda" else None, max_active=16, kv_cache_gb=8.0, overlap=False)
     eng = llm.engine
@@ -63,7 +68,7 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    out = {"model": a.model, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "cases": []}
+    out = {"model": a.model, "per_token": a.per_token, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "cases": []}
     worst = None
     cuda = a.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

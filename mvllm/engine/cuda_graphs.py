@@ -4,10 +4,11 @@ new tokens, and (compiled) cold prefills of up to 2048.
 Every new token is one query row that reads its own sequence's blocks, so a step is keyed by its token
 count T, padded up to a bucket (token_buckets: a ladder, so a large max_active adds a few graphs, not one per
 size). Steps of up to max(64, max_active) tokens run the LM head and the greedy argmax in their graph too, so
-a greedy decode step is one replay and one copy of the token ids back. Inputs live in one static int64
-buffer [T, 4 + W] (token, position, slot, context length, block table padded to W blocks), filled by one
-host-to-device copy per step. Padding rows write their K/V to a scratch slot and attend to
-slot 0 only; their outputs are ignored.
+a greedy decode step is one replay and one copy of the token ids back. Inputs live in two static int64
+buffers, filled by a host-to-device copy each per step: the tokens' [T, 6] (token, position, slot, context
+length, its sequence's row of the tables, and the first rows of the long-prefill kernel's tiles) and the
+sequences' block tables [max_active, W]. Padding rows
+write their K/V to a scratch slot and attend to one key; their outputs are ignored.
 
 Two ways to run a step:
 - compiled (the default where Triton exists): rotary with the cache write, and attention reading K/V
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from mvllm.engine.sequence import Sequence
+from mvllm.kernels.triton_attention import TILED_FROM, tile_starts
 from mvllm.kernels.triton_ops import argmax, fold_norms
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
@@ -53,15 +55,25 @@ def token_buckets(max_active: int, first: int = 1) -> list[int]:
     return sorted({t for t in TOKEN_BUCKETS if first <= t <= top} | {max(max_active, first)})
 
 
-def fill_span(buf: np.ndarray, row: int, seq: Sequence, a: int, b: int, width: int, block_size: int) -> None:
-    """Rows row.. of the step's input for tokens a..b of seq, with numpy slices."""
+def fill_span(buf: np.ndarray, row: int, seq: Sequence, a: int, b: int, seq_row: int, block_size: int) -> None:
+    """Rows row.. of the step's input for tokens a..b of seq (the tables' row seq_row), with numpy slices."""
     n, pos = b - a, np.arange(a, b)
     table = np.asarray(seq.block_table, dtype=np.int64)
     buf[row:row + n, 0] = seq.token_ids[a:b]
     buf[row:row + n, 1] = pos
     buf[row:row + n, 2] = table[pos // block_size] * block_size + pos % block_size
     buf[row:row + n, 3] = pos + 1
-    buf[row:row + n, 4:4 + len(table)] = table[:width]
+    buf[row:row + n, 4] = seq_row
+
+
+def block_tables(seqs: list[Sequence], width: int, rows: int = 2) -> np.ndarray:
+    """The sequences' block tables [max(rows, sequences), width], zero-padded (at least two rows and columns: a
+    dynamic size of 1 would make torch.compile specialize)."""
+    out = np.zeros((max(rows, len(seqs)), width), dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        table = seq.block_table[:width]
+        out[i, :len(table)] = table
+    return out
 
 
 class GraphRunner:
@@ -83,8 +95,8 @@ class GraphRunner:
         # one static input per token bucket: the compiled step is never handed a view (a view of a larger
         # buffer is guarded on its base's size, and would compile again)
         with torch.inference_mode():  # as the steps' own tensors: one kind of input for the compiled step
-            self.inputs = {t: torch.zeros(t, 4 + self.width, dtype=torch.long, device=device)
-                           for t in self.token_buckets}
+            self.inputs = {t: torch.zeros(t, 6, dtype=torch.long, device=device) for t in self.token_buckets}
+            self.tables = torch.zeros(max(2, max_active), self.width, dtype=torch.long, device=device)
             self.hidden = torch.zeros(t_max, model.cfg.hidden_size, dtype=caches[0].dtype, device=device)
             # steps of up to head_rows tokens also run the LM head and the argmax inside their graph
             self.logits = torch.zeros(self.head_rows, model.cfg.vocab_size, dtype=caches[0].dtype, device=device)
@@ -95,12 +107,15 @@ class GraphRunner:
         if compiled:
             fold_norms(model)
             use_compile_cache()
+            # one compile for every size: no "duck" equality between sizes that happen to match when it traces
+            # (the 2,048-token bucket and a 2,048-block table width would otherwise compile again later)
+            torch.fx.experimental._config.use_duck_shape = False
             self.step = torch.compile(self._table_step, dynamic=True, fullgraph=True)
         if capture:
             self.capture()
 
-    def _table_step(self, x: torch.Tensor) -> torch.Tensor:
-        meta = AttnMeta(x[:, 2], layout="table", block_size=self.block_size, packed=x)
+    def _table_step(self, x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        meta = AttnMeta(x[:, 2], layout="table", block_size=self.block_size, packed=x, tables=tables)
         return self.model(x[:, 0], x[:, 1], self.caches, meta)
 
     def _forward(self, t: int, lk: int) -> None:
@@ -116,10 +131,10 @@ class GraphRunner:
     def _body(self, t: int, lk: int) -> None:
         x = self.inputs[t]
         if self.compiled:
-            self.hidden[:t] = self.step(x)
+            self.hidden[:t] = self.step(x, self.tables)
             return
         w = -(-lk // self.block_size)
-        tables = x[:, 4:4 + w]
+        tables = self.tables[x[:, 4], :w]
         gather = (tables.unsqueeze(-1) * self.block_size + torch.arange(self.block_size, device=x.device))
         gather = gather.view(t, w * self.block_size)[:, :lk]
         mask = (torch.arange(lk, device=x.device) < x[:, 3:4]).view(t, 1, 1, lk)
@@ -128,8 +143,10 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        for x in self.inputs.values():
-            x[:, 2], x[:, 3] = self.scratch, 1
+        for t, x in self.inputs.items():
+            x[:, 2], x[:, 3], x[:, 5] = self.scratch, 1, t
+            starts = tile_starts([], t)
+            x[:len(starts), 5] = torch.tensor(starts)
         pool = None
         for lk in reversed(self.context_buckets):
             for t in reversed(self.token_buckets):
@@ -142,6 +159,8 @@ class GraphRunner:
         torch.cuda.synchronize()
 
     def bucket(self, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
+        if len(spans) > len(self.tables):  # more sequences than the static tables hold: run it eagerly
+            return None
         t = sum(b - a for a, b in spans)
         lk = max(b for _, b in spans)
         tb = next((x for x in self.token_buckets if x >= t), None)
@@ -150,26 +169,28 @@ class GraphRunner:
             return None
         return (tb, cb) if tb is not None else (max(t, 2), cb)  # compiled: beyond the buckets, ungraphed
 
-    def pack(self, seqs: list[Sequence], spans: list[tuple[int, int]], t_pad: int, width: int) -> np.ndarray:
-        """The step's input [t_pad, 4 + width]: a decode row (one new token) is built as a Python list, as numpy
+    def pack(self, seqs: list[Sequence], spans: list[tuple[int, int]], t_pad: int) -> np.ndarray:
+        """The step's token rows [t_pad, 6]: a decode row (one new token) is built as a Python list, as numpy
         costs microseconds per call and a batch of them would pay it several times a row; a longer span is
         filled with numpy slices. Rows past the step's tokens are padding (scratch slot, one key)."""
         bs = self.block_size
-        buf = np.zeros((t_pad, 4 + width), dtype=np.int64)
-        buf[:, 2], buf[:, 3] = self.scratch, 1
+        buf = np.zeros((t_pad, 6), dtype=np.int64)
+        buf[:, 2], buf[:, 3], buf[:, 5] = self.scratch, 1, t_pad
         row, singles, at = 0, [], []
-        for seq, (a, b) in zip(seqs, spans):
+        for i, (seq, (a, b)) in enumerate(zip(seqs, spans)):
             n = b - a
             if n == 1:
                 table = seq.block_table
-                singles.append([seq.token_ids[a], a, table[a // bs] * bs + a % bs, a + 1, *table[:width],
-                                *[0] * (width - len(table))])
+                singles.append([seq.token_ids[a], a, table[a // bs] * bs + a % bs, a + 1, i])
                 at.append(row)
             else:
-                fill_span(buf, row, seq, a, b, width, bs)
+                fill_span(buf, row, seq, a, b, i, bs)
             row += n
         if singles:
-            buf[at] = singles
+            buf[at, :5] = singles
+        if t_pad >= TILED_FROM:  # the tiled attention kernel's tiles (smaller steps run the per-token one)
+            starts = tile_starts([b - a for a, b in spans], t_pad)
+            buf[:len(starts), 5] = starts
         return buf
 
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],
@@ -181,15 +202,18 @@ class GraphRunner:
         rows = sum(b - a for a, b in spans)
         self.steps += 1
         used = max(2, max(len(s.block_table) for s in seqs))  # table columns past a row's context are never read
+        device = self.hidden.device
         if t_pad > self.token_buckets[-1]:  # compiled, beyond the buckets: no graph, only the columns used
-            x = torch.from_numpy(self.pack(seqs, spans, t_pad, used)).to(self.hidden.device, non_blocking=True)
+            x = torch.from_numpy(self.pack(seqs, spans, t_pad)).to(device, non_blocking=True)
+            tables = torch.from_numpy(block_tables(seqs, used)).to(device, non_blocking=True)
             if fill is not None:
                 x[:, 0].index_copy_(0, *fill)
-            return self.step(x)[:rows]
+            return self.step(x, tables)[:rows]
         width = min(self.width, used) if self.compiled else self.width  # plain: every column of the table
         # not blocking: the host goes on while an earlier step still runs (a pageable source is staged at once)
         x = self.inputs[t_pad]
-        x[:, :4 + width].copy_(torch.from_numpy(self.pack(seqs, spans, t_pad, width)), non_blocking=True)
+        x.copy_(torch.from_numpy(self.pack(seqs, spans, t_pad)), non_blocking=True)
+        self.tables[:len(seqs), :width].copy_(torch.from_numpy(block_tables(seqs, width, 0)), non_blocking=True)
         if fill is not None:
             x[:, 0].index_copy_(0, *fill)
         graph = self.graphs.get(key)

@@ -1,4 +1,4 @@
-"""Attention that reads K/V straight from the paged cache through each token's block table (no gather).
+"""Attention that reads K/V straight from the paged cache through each sequence's block table (no gather).
 
 Two custom ops. `mvllm::rope_store` rotates the new tokens' queries and keys and writes their K/V into their
 slots, in one kernel straight from the QKV projection's output. `mvllm::table_attention` then lets every new
@@ -11,7 +11,13 @@ programs and a second kernel merges their partial sums (flash-decoding). Elsewhe
 tests) both run in plain PyTorch. torch.compile sees each op as one opaque call (rope_store mutates the
 cache), so the rest of the layer fuses around them: three kernels per layer for rotary, the cache write and
 attention, where inductor's rotary, two index copies, attention and copies of its inputs took eight. Both ops
-read the step's packed input (one row per token: token id, position, slot, key length, block table) whole.
+read the step's packed input whole: one row per token (token id, position, slot, key length, the row of its
+sequence in `tables`, and a tile's first row: see below), and the attention reads `tables` [sequences, W],
+each sequence's block table once: a step's input grows with its tokens plus its sequences' blocks, not with
+their product. A step of TILED_FROM tokens or more (a long prefill) runs another attention kernel: a program
+per tile of up to TILE consecutive tokens of one sequence (and KV head) streams the sequence's keys once for all
+of them, causally, instead of once per token; column 5 lists the tiles' first rows (then T), as `tile_starts`
+cuts a step's spans.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from mvllm.kernels import cpu_fused
+
+TILE = 16  # tokens a program of the tiled (prefill) kernel takes
+TILED_FROM = 512  # steps of this many tokens or more run the tiled kernel
 
 try:
     import triton
@@ -42,7 +51,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
                eps: float = 0.0) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * D] (q | k | v), cos/sin [positions, D] (the whole rotary tables) ->
     rotated q [T, heads, D]; the rotated k and v written into cache[0] and cache[1] at each token's slot.
-    packed [T, 4 + W]: each token's (token id, position, slot, key length, block table), the compiled step's
+    packed [T, 6]: each token's (token id, position, slot, key length, sequence row, tile start), the step's
     input itself (slicing it here costs no kernel; columns handed to the op would each be copied).
     With `x` (norms folded into the projection, kernels/triton_ops.py) each row is first scaled by RMSNorm's
     rstd(x); then `bias` is added."""
@@ -72,31 +81,46 @@ def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @torch.library.custom_op("mvllm::table_attention", mutates_args=())
-def table_attention(q: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor, block_size: int,
-                    scale: float) -> torch.Tensor:
-    """q [T, H, D], cache [2, slots, Hkv, D] (the new tokens' K/V already in it), packed as rope_store's:
-    token t attends to the first packed[t, 3] keys of the block table packed[t, 4:]; returns [T, H * D]."""
+def table_attention(q: torch.Tensor, cache: torch.Tensor, packed: torch.Tensor, tables: torch.Tensor,
+                    block_size: int, scale: float) -> torch.Tensor:
+    """q [T, H, D], cache [2, slots, Hkv, D] (the new tokens' K/V already in it), packed as rope_store's,
+    tables [sequences, W]: token t attends to the first packed[t, 3] keys of the block table
+    tables[packed[t, 4]]; returns [T, H * D]."""
     if q.is_cuda and triton is not None:
-        return _triton(q, cache, packed, block_size, scale)
-    return reference(q, cache, packed, block_size, scale)
+        return _triton(q, cache, packed, tables, block_size, scale)
+    return reference(q, cache, packed, tables, block_size, scale)
 
 
 @table_attention.register_fake
-def _(q, cache, packed, block_size, scale):
+def _(q, cache, packed, tables, block_size, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor, tables: torch.Tensor,
-              token_seq: torch.Tensor) -> torch.Tensor:
-    """The packed [T, 4 + W] input from per-token columns and per-sequence block tables (token ids left 0)."""
-    return torch.cat([torch.zeros_like(positions).unsqueeze(1), positions.unsqueeze(1), slots.unsqueeze(1),
-                      key_len.unsqueeze(1), tables[token_seq]], dim=1)
+def tile_starts(counts: list[int], t_pad: int) -> list[int]:
+    """The first row of every tile: each sequence's rows (`counts` of them, in order) cut every TILE rows, then
+    the padding rows up to t_pad likewise."""
+    starts, row = [], 0
+    for n in [*counts, t_pad - sum(counts)]:
+        starts += range(row, row + n, TILE)
+        row += n
+    return starts
 
 
-def reference(q, cache, packed, block_size: int, scale: float) -> torch.Tensor:
+def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor, token_seq: torch.Tensor,
+              counts: list[int]) -> torch.Tensor:
+    """The packed [T, 6] input from per-token columns (token ids left 0); token_seq: each token's row of the
+    step's tables, counts: each sequence's tokens."""
+    t = len(positions)
+    starts = torch.full_like(positions, t)
+    first = tile_starts(counts, t)
+    starts[:len(first)] = torch.tensor(first, dtype=starts.dtype)
+    return torch.stack([torch.zeros_like(positions), positions, slots, key_len, token_seq, starts], dim=1)
+
+
+def reference(q, cache, packed, tables, block_size: int, scale: float) -> torch.Tensor:
     """The same attention in PyTorch: each token's keys gathered slot by slot, masked past its key length."""
     t, h, d = q.shape
-    tables, key_len = packed[:, 4:], packed[:, 3]
+    tables, key_len = tables[packed[:, 4]], packed[:, 3]
     width = tables.shape[1] * block_size
     slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).view(t, width)
     keys, values = cache[:, slots].transpose(2, 3).unbind(0)  # [T, Hkv, width, D]
@@ -106,20 +130,29 @@ def reference(q, cache, packed, block_size: int, scale: float) -> torch.Tensor:
     return out.reshape(t, h * d)
 
 
-def _triton(q, cache, packed, block_size: int, scale: float, splits: int | None = None) -> torch.Tensor:
+def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int | None = None) -> torch.Tensor:
     t, h, d = q.shape
     hkv = cache.shape[2]
     group = h // hkv
-    splits = splits or _splits(t * hkv, q.device)
     out = q.new_empty(t, h, d)
+    if splits is None and t >= TILED_FROM or splits == 0:  # splits=0: the tiled kernel whatever the size (tests)
+        group_pad = triton.next_power_of_2(group)
+        _tiles_kernel[(t, hkv)](
+            q, cache, out, packed, tables, scale, t,
+            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
+            packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, ROWS=TILE, D=d, BLOCK=block_size, BLOCK_N=max(64, block_size),
+            IEEE=q.dtype == torch.float32, num_warps=8 if TILE * group_pad >= 128 else 4)
+        return out.view(t, h * d)
+    splits = splits or _splits(t * hkv, q.device)
     part = dict(acc=out, m=out, l=out)  # unused when one split writes the output itself
     if splits > 1:
         part = dict(acc=q.new_empty(t, splits, h, d, dtype=torch.float32),
                     m=q.new_empty(t, splits, h, dtype=torch.float32), l=q.new_empty(t, splits, h, dtype=torch.float32))
     _rows_kernel[(t, hkv, splits)](
-        q, cache, out, part["acc"], part["m"], part["l"], packed, scale,
+        q, cache, out, part["acc"], part["m"], part["l"], packed, tables, scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
-        packed.stride(1), out.stride(0), out.stride(1),
+        packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block_size,
         BLOCK_N=max(64, block_size), SPLITS=splits, IEEE=q.dtype == torch.float32)
     if splits > 1:
@@ -210,8 +243,8 @@ if triton is not None:
         tl.store(out + HALF + i, r2)
 
     @triton.jit
-    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, scale,
-                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, so_t, so_h,
+    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, tables_ptr, scale,
+                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
         """Program (token, KV head, split): the split's share of the token's keys, for the KV head's group
@@ -223,7 +256,7 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n)
-        table = packed_ptr + row * s_row + 4 * s_col
+        table = tables_ptr + tl.load(packed_ptr + row * s_row + 4 * s_col) * st_seq
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D)
         heads = kvh * GROUP + g
@@ -234,7 +267,7 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             valid = j < hi
-            block = tl.load(table + (j // BLOCK) * s_col, mask=valid, other=0)
+            block = tl.load(table + (j // BLOCK) * st_col, mask=valid, other=0)
             at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
             keys = tl.load(cache_ptr + at, mask=valid[:, None], other=0.0)
             if IEEE:
@@ -262,6 +295,59 @@ if triton is not None:
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=mask)
             tl.store(m_ptr + at, m, mask=g < GROUP)
             tl.store(l_ptr + at, total, mask=g < GROUP)
+
+    @triton.jit
+    def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, scale, T,
+                      sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Program (tile, KV head): the tile's tokens (up to ROWS consecutive rows of one sequence, from column 5)
+        times the KV head's group of query heads, as one block of queries over the sequence's keys up to the
+        tile's longest key length, each token masked past its own (causal within a prefill). Programs past the
+        last tile do nothing."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r0 = tl.load(packed_ptr + tile * s_row + 5 * s_col)
+        if r0 < T:  # programs past the last tile do nothing
+            nxt = tl.load(packed_ptr + (tile + 1) * s_row + 5 * s_col, mask=tile + 1 < T, other=T)
+            n = tl.minimum(nxt, T) - r0
+            i = tl.arange(0, ROWS * GROUP_PAD)
+            m = i // GROUP_PAD
+            g = i % GROUP_PAD
+            valid = (m < n) & (g < GROUP)
+            rows = r0 + m
+            heads = kvh * GROUP + g
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
+            key_len = tl.load(packed_ptr + rows * s_row + 3 * s_col, mask=m < n, other=1)
+            hi = tl.max(key_len, 0)
+            table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
+            mx = tl.full([ROWS * GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([ROWS * GROUP_PAD], tl.float32)
+            acc = tl.zeros([ROWS * GROUP_PAD, D], tl.float32)
+            for start in range(0, hi, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                inside = j < hi
+                block = tl.load(table + (j // BLOCK) * st_col, mask=inside, other=0)
+                at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
+                keys = tl.load(cache_ptr + at, mask=inside[:, None], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+                else:
+                    s = tl.dot(q, tl.trans(keys)) * scale
+                s = tl.where(j[None, :] < key_len[:, None], s, float("-inf"))
+                m_new = tl.maximum(mx, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(mx - m_new)
+                values = tl.load(cache_ptr + sc_kv + at, mask=inside[:, None], other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+                total = total * alpha + tl.sum(p, 1)
+                mx = m_new
+            tl.store(out_ptr + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
+                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, H: tl.constexpr, D: tl.constexpr,

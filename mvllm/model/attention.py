@@ -38,7 +38,8 @@ class AttnMeta:
     keys_len: int = 0  # with block_index: Lk
     token_seq: torch.Tensor | None = None  # fused: [T] row of block_index each token belongs to
     key_len: torch.Tensor | None = None  # fused: [T] keys each token attends to (its position + 1)
-    packed: torch.Tensor | None = None  # table: [T, 4 + W] token id, position, slot, key length, block table
+    packed: torch.Tensor | None = None  # table: [T, 6] token id, position, slot, key length, row in tables, tile
+    tables: torch.Tensor | None = None  # table: [sequences, W] each sequence's block table
     out_rows: torch.Tensor | None = None  # fused: the rows whose hidden state is returned (None: all)
 
 
@@ -62,8 +63,9 @@ def build_meta(seqs_positions: list[tuple[int, int]], block_tables: list[list[in
     if layout == "table":
         token_seq = torch.arange(len(counts)).repeat_interleave(counts)
         key_len = (starts.unsqueeze(1) + new + 1)[valid]
-        packed = triton_attention.pack_rows(key_len - 1, slot_mapping, key_len, tables, token_seq)
-        return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_size=block_size, packed=packed.to(**as_long))
+        packed = triton_attention.pack_rows(key_len - 1, slot_mapping, key_len, token_seq, counts.tolist())
+        return AttnMeta(slot_mapping.to(**as_long), layout=layout, block_size=block_size, packed=packed.to(**as_long),
+                        tables=tables.to(**as_long))
     if not bool(starts.any()):
         return AttnMeta(slot_mapping.to(**as_long), layout="causal", lengths=counts.tolist())
     lk = int(ends.max())

@@ -127,12 +127,12 @@ class DecoderLayer(nn.Module):
         if not self.folded:
             q = ops.rope_store(attn.qkv_proj(self.input_layernorm(x)), *rope, cache, meta.packed, attn.heads,
                                attn.kv_heads)
-            x = x + attn.o_proj(ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale))
+            x = x + attn.o_proj(ops.table_attention(q, cache, meta.packed, meta.tables, meta.block_size, attn.scale))
             return x + self.mlp(self.post_attention_layernorm(x))
         qkv = ops.linear(x, attn.qkv_proj.weight)
         q = ops.rope_store(qkv, *rope, cache, meta.packed, attn.heads, attn.kv_heads, attn.qkv_proj.bias, x,
                            self.input_layernorm.eps)
-        out = ops.table_attention(q, cache, meta.packed, meta.block_size, attn.scale)
+        out = ops.table_attention(q, cache, meta.packed, meta.tables, meta.block_size, attn.scale)
         x = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias, x)
         h = ops.silu_mul(F.linear(x, self.mlp.gate_up_proj.weight), x, self.post_attention_layernorm.eps)
         return ops.linear(h, self.mlp.down_proj.weight, None, x)
