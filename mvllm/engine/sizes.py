@@ -1,4 +1,5 @@
-"""A backend's sizes where the user sets none: its KV pool, then how many requests it runs at once (max_active).
+"""A backend's sizes where the user sets none: its KV pool, how many requests it runs at once (max_active), and how
+many tokens one step computes (max_step_tokens).
 
 The pool is num_blocks, else kv_cache_gb (DEFAULT_KV_GB) of KV, at most twice what max_active sequences of the
 model's full length need. On CUDA an unset max_active is what that pool holds, as vLLM's max_num_seqs (256)
@@ -10,6 +11,10 @@ MAX_ACTIVE = 4  # CPU and MPS
 MOST_ACTIVE = 256  # CUDA's cap, vLLM's default max_num_seqs
 SEQ_TOKENS = 1024  # a typical request's KV: the reference's 516-token prompt and a few hundred tokens out
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 4.0, "mps": 1.0}
+# A step's token budget: vLLM's OpenAI server's max_num_batched_tokens on CUDA (8,192 on a GPU of 70 GiB or more,
+# 2,048 below); on the CPU and MPS a step near the decode cadence (docs/backends.md says how it was chosen).
+STEP_TOKENS_BIG_GPU, STEP_TOKENS_GPU, BIG_GPU_GIB = 8192, 2048, 70
+STEP_TOKENS_HOST = 256
 
 
 def pool_blocks(kv_gb: float, block_bytes: int, seq_blocks: int, max_active: int) -> int:
@@ -30,3 +35,12 @@ def default_max_active(device_type: str, num_blocks: int, block_size: int, max_m
     elif held < 1:
         why += "; at least 1"
     return max(1, min(held, MOST_ACTIVE)), why
+
+
+def default_step_tokens(device_type: str, gpu_gib: float = 0.0) -> tuple[int, str]:
+    """(max_step_tokens, why) where none is set: CUDA by its memory (gpu_gib), as vLLM's server; else STEP_TOKENS_HOST."""
+    if device_type == "cuda":
+        if gpu_gib >= BIG_GPU_GIB:
+            return STEP_TOKENS_BIG_GPU, f"a GPU of {gpu_gib:.0f} GiB (vLLM's default from {BIG_GPU_GIB} GiB)"
+        return STEP_TOKENS_GPU, f"a GPU of {gpu_gib:.0f} GiB (vLLM's default below {BIG_GPU_GIB} GiB)"
+    return STEP_TOKENS_HOST, "measured default"
