@@ -6,7 +6,8 @@
 
 Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode
 fastest here, see engine/quant.py), threads, max_active (default 4; on CUDA what the KV pool holds, at most
-256: engine/sizes.py), num_blocks, kv_cache_gb, graphs (on|off), compile (on|off: on CUDA, torch.compile and
+256: engine/sizes.py), max_step_tokens (the tokens one step computes: decodes, then chunks of prompts; default
+8,192 on a CUDA GPU of 70 GiB or more, 2,048 below, 256 on the CPU and MPS), num_blocks, kv_cache_gb, graphs (on|off), compile (on|off: on CUDA, torch.compile and
 Triton attention inside the graphs), fused (on|off: the CPU's fused float32 kernels), overlap (on|off; default
 on for CUDA, off elsewhere: schedule and launch the next step while the device runs this one), batch_invariant
 (on|off, CPU int8w: every token through the int8 kernel, so a request's greedy tokens do not depend on its
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from mvllm import machine
 from mvllm.engine.block_manager import BLOCK_SIZE
-from mvllm.engine.sizes import MAX_ACTIVE
+from mvllm.engine.sizes import MAX_ACTIVE, check_step_tokens
 from mvllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class BackendSpec:
     quant: str | None = None
     threads: int | None = None
     max_active: int | None = None  # None on a local CUDA backend until its engine sizes its KV pool
+    max_step_tokens: int | None = None  # None: the device's default (engine/sizes.py)
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
     graphs: bool = True
@@ -66,7 +68,7 @@ class BackendSpec:
         from mvllm.engine.engine import EngineConfig
 
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
-                            block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
+                            max_step_tokens=self.max_step_tokens, block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
                             compile=self.compile, fused=self.fused, overlap=self.overlap,
                             batch_invariant=self.batch_invariant)
@@ -76,7 +78,7 @@ class BackendSpec:
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
-LOCAL_ONLY = ("dtype", "quant", "threads", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
+LOCAL_ONLY = ("dtype", "quant", "threads", "max_step_tokens", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
 
 
 def is_url(device: str) -> bool:
@@ -131,6 +133,10 @@ def parse_backends(text: str, max_active: int | None = None, check_devices: bool
         spec = BackendSpec(name=name, device=device, **settings)
         if spec.max_active is None and not is_cuda(device):
             spec.max_active = MAX_ACTIVE
+        try:
+            check_step_tokens(spec.max_step_tokens, spec.max_active)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"backend {name}: {e}", "backends") from None
         specs.append(spec)
     if not specs:
         raise InvalidRequestError("no backend given; e.g. --backends gpu=cuda,cpu=cpu", "backends")

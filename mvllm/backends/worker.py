@@ -94,9 +94,9 @@ def worker_main(spec_dict: dict, model: str, commands, events) -> None:
 
     threading.Thread(target=control, name="control", daemon=True).start()
 
-    def on_schedule(batch) -> None:  # admissions only: a decode-only step sends nothing here
-        if batch.prefill:
-            send(Scheduled([(s.request_id, s.num_cached_tokens) for s in batch.prefill]))
+    def on_schedule(batch) -> None:  # admissions only: a step that admits none sends nothing here
+        if batch.admitted:
+            send(Scheduled([(s.request_id, s.num_cached_tokens) for s in batch.admitted]))
 
     engine.on_schedule = on_schedule
     engine.blocks.record_events()  # from an empty cache, as the server's index of it starts at Ready

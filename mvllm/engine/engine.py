@@ -16,7 +16,15 @@ from mvllm.engine.params import SamplingParams, check_prompt
 from mvllm.engine.quant import BATCH_INVARIANT, cpu_mode, quantize
 from mvllm.engine.scheduler import Batch, Scheduler
 from mvllm.engine.sequence import PENDING, Sequence, Status
-from mvllm.engine.sizes import DEFAULT_KV_GB, MAX_ACTIVE, MOST_ACTIVE, default_max_active, pool_blocks
+from mvllm.engine.sizes import (
+    DEFAULT_KV_GB,
+    MAX_ACTIVE,
+    MOST_ACTIVE,
+    check_step_tokens,
+    default_max_active,
+    default_step_tokens,
+    pool_blocks,
+)
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import ModelSource, build_model, resolve
 
@@ -30,6 +38,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     max_active: int | None = None  # None: engine/sizes.py's default for the device, resolved by Engine
+    max_step_tokens: int | None = None  # a step's token budget; None: engine/sizes.py's default, resolved by Engine
     block_size: int = BLOCK_SIZE
     num_blocks: int | None = None
     kv_cache_gb: float | None = None
@@ -50,6 +59,7 @@ class EngineConfig:
             raise InvalidRequestError(f"threads must be at least 1, got {self.threads}", "threads")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be at least 1, got {self.block_size}", "block_size")
+        check_step_tokens(self.max_step_tokens, self.max_active)
         for name, least in (("num_blocks", 1), ("max_model_len", 2)):
             value = getattr(self, name)
             if value is not None and value < least:
@@ -88,6 +98,15 @@ class EngineConfig:
                                       f"quant={self.quant})", "batch_invariant")
         if self.quant == "int8w" and self.batch_invariant is None:
             self.batch_invariant = BATCH_INVARIANT
+
+
+def step_tokens(config: EngineConfig) -> tuple[int, str]:
+    """(max_step_tokens, why) of a validated config: its own, else the device's default (engine/sizes.py)."""
+    if config.max_step_tokens is not None:
+        return config.max_step_tokens, "set"
+    device = torch.device(config.device)
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+    return default_step_tokens(device.type, gib)
 
 
 def context_len(config: EngineConfig, model_cfg, num_blocks: int) -> int:
@@ -142,7 +161,12 @@ class Engine:
         num_blocks, config.max_active, self.max_active_why = served_pool(config, cfg)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_model_len = context_len(config, cfg, num_blocks)
-        self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids)
+        config.max_step_tokens, self.max_step_tokens_why = step_tokens(config)
+        if config.max_step_tokens < config.max_active and self.max_step_tokens_why != "set":
+            config.max_step_tokens = config.max_active  # a default never refuses: it holds every decode
+        check_step_tokens(config.max_step_tokens, config.max_active)
+        self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids,
+                                   config.max_step_tokens)
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, config.block_size,
                                   config.graphs, config.max_active, self.max_model_len, config.fused,
                                   config.compile)
@@ -190,8 +214,9 @@ class Engine:
         except Exception as e:  # the forward failed: this batch's requests end with it
             return self._fail(batch.seqs, e)
         errors = dict(self.runner.failed)  # requests whose sampling failed: they end, the others go on
+        sampled = batch.sampled
         finished = self.scheduler.postprocess(batch, tokens, time.time(), errors)
-        return self._outputs(batch, tokens, finished, batch.seqs, errors)
+        return self._outputs(sampled, tokens, finished, sampled, errors)
 
     def _step_overlap(self) -> list[StepOutput]:
         prev, self.inflight = self.inflight, None
@@ -208,14 +233,14 @@ class Engine:
                 self.scheduler.launched(batch)
         if prev is None:
             return failed
-        live = [s for s in prev.batch.seqs if s.status is not Status.FINISHED]
+        live = [s for s in prev.seqs if s.status is not Status.FINISHED]
         try:
             tokens = prev.tokens()
         except Exception as e:  # the step's ids never came: its requests end with it
             return failed + self._fail(live, e)
         errors = dict(prev.failed)
-        finished = self.scheduler.land(prev.batch, prev.index, tokens, time.time(), errors)
-        return failed + self._outputs(prev.batch, tokens, finished, live, errors)
+        finished = self.scheduler.land(prev.seqs, prev.index, tokens, time.time(), errors)
+        return failed + self._outputs(prev.seqs, tokens, finished, live, errors)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[StepOutput]:
         """End the requests of a step that failed as a whole (those not ended already)."""
@@ -227,13 +252,13 @@ class Engine:
                 outs.append(StepOutput(seq, PENDING, True, error))
         return outs
 
-    def _outputs(self, batch: Batch, tokens: list[int], finished: list[Sequence],
+    def _outputs(self, sampled: list[Sequence], tokens: list[int], finished: list[Sequence],
                  live: list[Sequence], errors: dict[str, Exception]) -> list[StepOutput]:
         done = {s.request_id for s in finished}
         for rid in done:
             self.requests.pop(rid, None)
         keep, outs = {id(s) for s in live}, []
-        for s, t in zip(batch.seqs, tokens):
+        for s, t in zip(sampled, tokens):
             if id(s) in keep:
                 error = errors.get(s.request_id) if s.finish_reason == "error" else None
                 outs.append(StepOutput(s, t if error is None else PENDING, s.request_id in done, error))
@@ -247,14 +272,22 @@ class Engine:
         return not self.has_unfinished() and self.blocks.reset_prefix_cache()
 
     def warm(self, token_ids: list[int]) -> int:
-        """Compute and cache the KV of a prefix (its full blocks); returns the tokens now cached."""
+        """Compute and cache the KV of a prefix (its full blocks) in steps of at most max_step_tokens, as a
+        prompt's chunks run; returns the tokens now cached."""
         seq = Sequence(token_ids, SamplingParams(max_tokens=1))
         self.check_prompt(token_ids)
         if not self.blocks.can_allocate(seq):
             raise InvalidRequestError("not enough free KV blocks to warm this prefix now", "prompt")
         self.blocks.allocate(seq)
-        self.runner.run(Batch(prefill=[seq]))
-        seq.num_computed_tokens = len(seq)
-        self.blocks.commit(seq)
-        self.blocks.free(seq)
+        try:
+            budget = self.config.max_step_tokens
+            for start in range(seq.num_computed_tokens, len(seq), budget):
+                end = min(start + budget, len(seq))
+                batch = Batch()
+                batch.add_chunk(seq, start, end)
+                self.runner.run(batch.seal())
+                seq.num_computed_tokens = end
+                self.blocks.commit(seq)
+        finally:
+            self.blocks.free(seq)
         return len(token_ids) // self.blocks.block_size * self.blocks.block_size

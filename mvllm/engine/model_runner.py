@@ -28,10 +28,11 @@ Fill = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(slots=True)
 class Launched:
-    """A step whose sampled ids are still on their way to the host (overlap): the ids on the device, the
-    row of each sequence's id, where in its token_ids each goes, the host copy under way, and the requests
-    whose sampling failed (their ids are 0)."""
+    """A step whose sampled ids are still on their way to the host (overlap): the requests that sample (the
+    batch's `sampled`), their ids on the device, the row of each one's id, where in its token_ids each goes, the
+    host copy under way, and the requests whose sampling failed (their ids are 0)."""
     batch: Batch
+    seqs: list
     ids: torch.Tensor
     rows: dict[str, int]
     index: list[int]
@@ -76,8 +77,9 @@ class ModelRunner:
             ready.record()
         else:
             host, ready = ids, None
-        return Launched(batch, ids, {s.request_id: i for i, s in enumerate(batch.seqs)},
-                        [len(s) for s in batch.seqs], host, ready, self.failed)
+        sampled = batch.sampled
+        return Launched(batch, sampled, ids, {s.request_id: i for i, s in enumerate(sampled)},
+                        [len(s) for s in sampled], host, ready, self.failed)
 
     @staticmethod
     def kv_bytes_per_token(model_cfg, dtype: torch.dtype) -> int:
@@ -85,28 +87,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, prev: Launched | None = None) -> torch.Tensor:
-        """The batch's sampled token ids [B], on the device. `prev`: the step launched before this one, whose
-        ids have not reached the host (overlap): tokens still PENDING are taken from its ids on the device.
-        A request whose sampling raised gets id 0 and its exception in `self.failed` (until the next run); a
-        failing forward raises."""
-        seqs = batch.seqs
-        spans = [(s.num_computed_tokens, len(s)) for s in seqs]
-        last, n = [], 0
-        for a, b in spans:
+        """The sampled token ids [len(batch.sampled)] of the batch's step, on the device. A prompt's chunk that is
+        not its last computes its KV only. `prev`: the step launched before this one, whose ids have not reached
+        the host (overlap): tokens still PENDING are taken from its ids on the device. A request whose sampling
+        raised gets id 0 and its exception in `self.failed` (until the next run); a failing forward raises."""
+        seqs, spans, sampled = batch.seqs, batch.spans, batch.sampled
+        last, n, rows = [], 0, []
+        for seq, (a, b) in zip(seqs, spans):
             n += b - a
             last.append(n - 1)
+            if b == len(seq):
+                rows.append(n - 1)
         fill = None
         if prev is not None:
             late = [(row, prev.rows[s.request_id]) for row, s in zip(last, seqs) if s.token_ids[-1] == PENDING]
             if late:
                 dst, src = (torch.tensor(x).to(self.device, non_blocking=True) for x in zip(*late))
                 fill = dst, prev.ids[src]
-        pick = None if n == len(seqs) else torch.tensor(last, device=self.device)
         self.failed = {}
+        if not sampled:  # chunks of prompts only, none the last: their KV, no logits
+            key = self.graphs.bucket(spans) if self.graphs else None
+            if key is None:
+                self.forward(seqs, spans, fill, torch.tensor(last[-1:], device=self.device))
+            else:
+                self.graphs.run(seqs, spans, key, fill)
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        pick = None if n == len(sampled) else torch.tensor(rows, device=self.device)
         logits, tokens = self.logits(seqs, spans, pick, fill)
-        ids, failed = sample_rows(logits, seqs, tokens)
+        ids, failed = sample_rows(logits, sampled, tokens)
         if failed:
-            self.failed = {seqs[i].request_id: e for i, e in failed.items()}
+            self.failed = {sampled[i].request_id: e for i, e in failed.items()}
         return ids
 
     def logits(self, seqs, spans: list[tuple[int, int]], rows: torch.Tensor | None = None,

@@ -1,5 +1,9 @@
-"""Continuous batching: FCFS admission up to max_active, decode of running requests, preemption by
-recompute when KV blocks run out."""
+"""Continuous batching under a token budget, in vLLM v1's order: each step takes the running requests first (a
+decode is one token, a partly prefilled prompt its next chunk), then admits waiting ones first come, first served,
+while the budget, max_active and the KV blocks allow. A prompt longer than what is left of the budget runs in
+chunks over several steps; only its last chunk samples a token. A request's blocks are allocated whole when it is
+admitted; the full blocks of each chunk join the prefix cache once the chunk has run. Preemption by recompute
+when KV blocks run out."""
 
 from __future__ import annotations
 
@@ -13,22 +17,47 @@ from mvllm.engine.sequence import PENDING, Sequence, Status
 
 @dataclass(slots=True)
 class Batch:
+    """One step. `prefill` computes the tokens [start, end) of `chunks` of each of its requests; `decode` one
+    token each. `sampled`: the requests whose step ends in a sampled token (a prompt's last chunk, and every
+    decode), in `seqs` order; `admitted`: the requests this step admitted."""
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def seqs(self) -> list[Sequence]:
         return self.prefill + self.decode
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each request's tokens computed in this step, in `seqs` order."""
+        return self.chunks + [(len(s) - 1, len(s)) for s in self.decode]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b - a for a, b in self.chunks) + len(self.decode)
+
+    def add_chunk(self, seq: Sequence, start: int, end: int) -> None:
+        self.prefill.append(seq)
+        self.chunks.append((start, end))
+
+    def seal(self) -> Batch:
+        self.sampled = [s for s, (_, end) in zip(self.prefill, self.chunks) if end == len(s)] + self.decode
+        return self
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_active: int, max_model_len: int, eos_token_ids: list[int]):
+    def __init__(self, blocks: BlockManager, max_active: int, max_model_len: int, eos_token_ids: list[int],
+                 max_step_tokens: int | None = None):
         self.blocks = blocks
         self.max_active = max_active
         self.max_model_len = max_model_len
+        self.max_step_tokens = max_step_tokens or max_model_len
         self.eos = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -53,10 +82,10 @@ class Scheduler:
         return None
 
     def schedule(self) -> Batch:
-        batch = Batch()
-        for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted below to make room for an earlier request
+        batch, budget = Batch(), self.max_step_tokens
+        for seq in list(self.running):  # decodes first, a token each (max_step_tokens >= max_active)
+            if seq not in self.running or self._prefilling(seq):
+                continue  # preempted below to make room for an earlier request, or a prompt not done
             if self._done(seq):
                 continue  # overlap: its last token, still on its way, ends it ("length")
             while not self.blocks.can_append(seq):
@@ -67,7 +96,14 @@ class Scheduler:
             else:
                 self.blocks.append(seq)
                 batch.decode.append(seq)
-        while self.waiting and len(self.running) < self.max_active:
+                budget -= 1
+        for seq in self.running:  # then the prompts partly prefilled: their next chunks
+            if budget > 0 and self._prefilling(seq):
+                start = seq.num_computed_tokens
+                end = min(len(seq), start + budget)
+                batch.add_chunk(seq, start, end)
+                budget -= end - start
+        while self.waiting and budget > 0 and len(self.running) < self.max_active:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq):
                 break
@@ -78,8 +114,12 @@ class Scheduler:
                 seq.times.scheduled = time.time()
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
-            batch.prefill.append(seq)
-        return batch
+            start = seq.num_computed_tokens
+            end = min(len(seq), start + budget)
+            batch.add_chunk(seq, start, end)
+            batch.admitted.append(seq)
+            budget -= end - start
+        return batch.seal()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -90,27 +130,36 @@ class Scheduler:
 
     def postprocess(self, batch: Batch, tokens: list[int], now: float,
                     errors: dict[str, Exception] | None = None) -> list[Sequence]:
-        """Append each sampled token; return the sequences that finished (their blocks already freed)."""
+        """Append each sampled token (`tokens`: one per `batch.sampled`); return the sequences that finished
+        (their blocks already freed)."""
+        index = [len(s) for s in batch.sampled]
         self.launched(batch)
-        return self.land(batch, [len(s) - 1 for s in batch.seqs], tokens, now, errors)
+        return self.land(batch.sampled, index, tokens, now, errors)
 
     def launched(self, batch: Batch) -> None:
-        """The batch's step is running: its tokens count as computed, and each sequence holds a PENDING token
-        where the step's sampled one will go."""
-        for seq in batch.seqs:
+        """The batch's step is running: its tokens count as computed; each sequence that samples holds a PENDING
+        token where the step's sampled one will go, and a chunk that does not publishes its full blocks."""
+        for seq, (_, end) in zip(batch.prefill, batch.chunks):
+            seq.num_computed_tokens = end
+            if end < len(seq):
+                self.blocks.commit(seq)
+            else:
+                seq.token_ids.append(PENDING)
+        for seq in batch.decode:
             seq.num_computed_tokens = len(seq)
             seq.token_ids.append(PENDING)
 
-    def land(self, batch: Batch, index: list[int], tokens: list[int], now: float,
+    def land(self, seqs: list[Sequence], index: list[int], tokens: list[int], now: float,
              errors: dict[str, Exception] | None = None) -> list[Sequence]:
-        """The step's sampled tokens reached the host: each goes to token_ids[index] of its sequence (unless it
+        """A step's sampled tokens reached the host (`seqs`: its batch's `sampled`): each goes to token_ids[index]
+        of its sequence (unless it
         ended meanwhile: aborted, or finished by the step before in overlap); returns those that finished.
         `errors`: request id -> why its token could not be sampled. Such a sequence, and one whose landing
         raises (its exception added to `errors`), ends with finish_reason "error" and is returned too; the
         others land as if it were not there."""
         errors = {} if errors is None else errors
         finished = []
-        for seq, i, token in zip(batch.seqs, index, tokens):
+        for seq, i, token in zip(seqs, index, tokens):
             if seq.status is Status.FINISHED:
                 continue
             reason = None
@@ -149,6 +198,12 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self._finish(seq, "error", now)
+
+    @staticmethod
+    def _prefilling(seq: Sequence) -> bool:
+        """More than its last token left to compute: a prompt (or a preempted request's tokens) in chunks. With
+        one left, its step is a decode's."""
+        return seq.num_computed_tokens < len(seq) - 1
 
     def _done(self, seq: Sequence) -> bool:
         p = seq.params

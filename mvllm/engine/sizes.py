@@ -7,6 +7,8 @@ is a default a GPU fills; the CPU and MPS run MAX_ACTIVE."""
 
 from __future__ import annotations
 
+from mvllm.errors import InvalidRequestError
+
 MAX_ACTIVE = 4  # CPU and MPS
 MOST_ACTIVE = 256  # CUDA's cap, vLLM's default max_num_seqs
 SEQ_TOKENS = 1024  # a typical request's KV: the reference's 516-token prompt and a few hundred tokens out
@@ -44,3 +46,14 @@ def default_step_tokens(device_type: str, gpu_gib: float = 0.0) -> tuple[int, st
             return STEP_TOKENS_BIG_GPU, f"a GPU of {gpu_gib:.0f} GiB (vLLM's default from {BIG_GPU_GIB} GiB)"
         return STEP_TOKENS_GPU, f"a GPU of {gpu_gib:.0f} GiB (vLLM's default below {BIG_GPU_GIB} GiB)"
     return STEP_TOKENS_HOST, "measured default"
+
+
+def check_step_tokens(max_step_tokens: int | None, max_active: int | None) -> None:
+    """A budget is at least 1 token, and holds a decode of every running request (max_active)."""
+    if max_step_tokens is None:
+        return
+    if max_step_tokens < 1:
+        raise InvalidRequestError(f"max_step_tokens must be at least 1, got {max_step_tokens}", "max_step_tokens")
+    if max_active is not None and max_step_tokens < max_active:
+        raise InvalidRequestError(f"max_step_tokens={max_step_tokens} is below max_active={max_active}: a step must "
+                                  "hold a decode of every running request", "max_step_tokens")
