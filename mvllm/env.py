@@ -148,8 +148,12 @@ def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None)
     device = torch.device(config.device)
     dtype = config.dtype or {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}[device.type]
     most, why = max_active(spec, config, model, model_cfg or ModelConfig.from_dict(PRESETS[DEFAULT_MODEL]))
+    from mvllm.engine.engine import step_tokens
+
+    budget, budget_why = step_tokens(config)
     facts = {"device": spec.device, "dtype": dtype, "quant": config.quant, "threads": spec.threads,
-             "max_active": most, "max_active_why": why, "overlap": config.overlap}
+             "max_active": most, "max_active_why": why, "max_step_tokens": max(budget, most),
+             "max_step_tokens_why": budget_why, "overlap": config.overlap}
     if device.type == "cpu":
         facts["picked"] = config.picked
         facts["kernels"] = kernels(spec, dtype, config.quant)
@@ -189,6 +193,8 @@ def render(facts: dict) -> str:
         head = (f"  {name:<10}  {f['device']}: {mode}, {f['threads']} thread(s), max_active {f['max_active']} "
                 f"({f['max_active_why']})")
         lines.append(head + (f", overlap {'on' if f['overlap'] else 'off'}"))
+        lines.append(f"  {'':<10}  max_step_tokens {f['max_step_tokens']} ({f['max_step_tokens_why']}): the tokens "
+                     "one step computes, decodes first, then chunks of prompts")
         if "picked" in f:
             lines.append(f"  {'':<10}  mode: {f['picked']}")
             for kernel, k in f["kernels"].items():

@@ -52,7 +52,8 @@ def snapshot(engine: Engine, spec: BackendSpec) -> dict:
     """The backend's settings and its load now."""
     b = engine.blocks
     return {"name": spec.name, "device": spec.device, "dtype": str(engine.dtype).removeprefix("torch."),
-            "quant": spec.quant, "max_active": engine.scheduler.max_active, "num_blocks": b.num_blocks,
+            "quant": spec.quant, "max_active": engine.scheduler.max_active,
+            "max_step_tokens": engine.scheduler.max_step_tokens, "num_blocks": b.num_blocks,
             "block_size": b.block_size, "max_model_len": engine.max_model_len, "overlap": engine.config.overlap,
             "pid": os.getpid(), **load(engine)}
 

@@ -3,7 +3,8 @@
 All times are seconds from the start of the replay, taken on the client. A request's latency counts
 from its scheduled send time (`arrival`), so a late client cannot hide queueing:
 ttft = first_token - arrival, e2el = finish - arrival, tpot = (e2el - ttft) / (output_tokens - 1),
-itl = the gaps between streamed chunks, pooled over requests. Percentiles interpolate linearly
+itl = the gaps between streamed chunks, pooled over requests (max_itl_ms the worst; per backend its p99 and worst in
+backend_p99_itl_ms and backend_max_itl_ms). Percentiles interpolate linearly
 between ranks (numpy's default, as vLLM). max_send_delay_ms: how late the client sent its latest
 request against the schedule (a check that the client kept up).
 
@@ -193,6 +194,17 @@ def buckets(done: list[RequestRecord]) -> list[dict]:
     return out
 
 
+def itl_tails(done: list[RequestRecord]) -> tuple[float | None, dict, dict]:
+    """The worst gap between two chunks of one request (ms), and per backend its ITL p99 and worst gap: what a
+    long prompt's prefill costs the requests decoding beside it."""
+    gaps: dict[str, list[float]] = {}
+    for r in done:
+        gaps.setdefault(r.backend, []).extend(1000.0 * (b - a) for a, b in pairwise(r.chunks))
+    gaps = {k: sorted(v) for k, v in sorted(gaps.items()) if v}
+    worst = {k: v[-1] for k, v in gaps.items()}
+    return max(worst.values(), default=None), {k: ranked(v, 99) for k, v in gaps.items()}, worst
+
+
 def summarize(records: list[RequestRecord], duration: float | None = None, slo: dict | None = None) -> dict:
     """The run summary. `duration` is the replay's wall time (start to the last response, done or
     failed); makespan is the batch completion time: first send to the last completed response. `slo`
@@ -223,6 +235,7 @@ def summarize(records: list[RequestRecord], duration: float | None = None, slo: 
     # each r.itl in ms, in one pass (a simulated trace has millions)
     s.update(stats_ms("itl", [1000.0 * (b - a) for r in done for a, b in pairwise(r.chunks)]))
     s.update(stats("e2el", [r.e2el for r in done]))
+    s["max_itl_ms"], s["backend_p99_itl_ms"], s["backend_max_itl_ms"] = itl_tails(done)
     s["backend_requests"] = dict(sorted(Counter(r.backend for r in done).items()))
     cached: dict[str, int] = {}
     for r in done:

@@ -158,6 +158,14 @@ class Servers:
         self.server, self.key = None, None
 
 
+def step_budgets(url: str) -> dict[str, int | None]:
+    """Each backend's max_step_tokens as the server reports it (/v1/backends); None where it does not."""
+    try:
+        return {b["name"]: b.get("max_step_tokens") for b in httpx.get(f"{url}/v1/backends", timeout=10).json()}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | None, folder: Path, label: str,
             console: Console, quiet: bool, built: Built) -> dict:
     """One run of `built` (exp's workload, built once for all its runs: replays do not change it)."""
@@ -175,6 +183,8 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
                     meta["warm_cached_tokens"] = server.warm(prefix)
             url = server.url
         model = served_model(url) or exp.model
+        if server is not None:
+            meta["max_step_tokens"] = step_budgets(url)
         stop = "disconnect" if server is None else "field"  # any OpenAI server: stop reading at the length
         display = RunDisplay(console, label, len(requests))
         workers = exp.client_workers or auto_workers()
