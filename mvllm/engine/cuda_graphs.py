@@ -188,8 +188,10 @@ class GraphRunner:
         if singles:
             buf[at, :5] = singles
         tiles, per_token = triton_attention.work_list([b - a for a, b in spans], t_pad)  # the attention's work
-        buf[:len(tiles), 5] = tiles
-        buf[t_pad - len(per_token):, 5] = per_token
+        if tiles:
+            buf[:len(tiles), 5] = tiles
+        if per_token:
+            buf[t_pad - len(per_token):, 5] = per_token
         return buf
 
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],

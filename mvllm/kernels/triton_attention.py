@@ -111,11 +111,15 @@ def work_list(counts: list[int], t_pad: int) -> tuple[list[int], list[int]]:
     for n in counts:
         if n >= TILED_MIN:
             tiles += [a * TILE + min(TILE, row + n - a) - 1 for a in range(row, row + n, TILE)]
+        elif n == 1:  # a decode: the common case, kept cheap (the host packs every step)
+            rows.append(-2 - row)
         else:
             rows += range(-2 - row, -2 - row - n, -1)
         row += n
-    tiles += [a * TILE + min(TILE, t_pad - a) - 1 for a in range(row, t_pad, TILE)]
-    return tiles, rows[::-1]
+    if row < t_pad:
+        tiles += [a * TILE + min(TILE, t_pad - a) - 1 for a in range(row, t_pad, TILE)]
+    rows.reverse()
+    return tiles, rows
 
 
 def work_column(counts: list[int], t_pad: int) -> list[int]:
