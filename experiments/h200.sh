@@ -70,11 +70,11 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
     p) ;;
     t) run 540 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py ;;
     kernel) export MVLLM_CACHE=${MVLLM_CACHE:-/tmp/mvcache}
-       run 300 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py
-       run 90 mixed-step python3 experiments/probes/gpu_mixed_step.py --out "$runs/gpu-mixed-step.json"
-       run 90 mixed-step-per-token python3 experiments/probes/gpu_mixed_step.py --per-token \
+       run 330 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py
+       run 80 mixed-step python3 experiments/probes/gpu_mixed_step.py --repeats 2 --out "$runs/gpu-mixed-step.json"
+       run 80 mixed-step-per-token python3 experiments/probes/gpu_mixed_step.py --repeats 2 --per-token \
            --out "$runs/gpu-mixed-step-per-token.json"
-       run 120 prefill-floor python3 experiments/probes/prefill_floor.py --out "$runs/prefill-floor.json" ;;
+       run 100 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json" ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;
