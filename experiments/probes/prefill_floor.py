@@ -35,11 +35,12 @@ def layer_weights(cfg, n: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, .
     return [tuple(torch.randn(a, b, device="cuda", dtype=dtype) * a ** -0.5 for a, b in shapes) for _ in range(n)]
 
 
-def gemms(x: torch.Tensor, act: torch.Tensor, layers) -> None:
-    """x [n, hidden] through every layer's projections; act [n, intermediate] (the MLP's product) into down."""
+def gemms(x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor, layers) -> None:
+    """x [n, hidden] through every layer's projections: attn [n, heads * D] (attention's output) into the output
+    projection, act [n, intermediate] (the MLP's product) into down."""
     for w_qkv, w_o, w_gu, w_down in layers:
         torch.matmul(x, w_qkv)
-        torch.matmul(x, w_o)
+        torch.matmul(attn, w_o)
         torch.matmul(x, w_gu)
         torch.matmul(act, w_down)
 
@@ -75,8 +76,9 @@ def floor(cfg, n: int, dtype: torch.dtype, layers, repeats: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     x = torch.randn(n, cfg.hidden_size, device="cuda", dtype=dtype)
+    attn = torch.randn(n, cfg.num_heads * cfg.head_dim, device="cuda", dtype=dtype)
     act = torch.randn(n, cfg.intermediate_size, device="cuda", dtype=dtype)
-    gemm_ms = timed(lambda: gemms(x, act, layers), repeats)
+    gemm_ms = timed(lambda: gemms(x, attn, act, layers), repeats)
     sdpa = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         for expand in (False, True):  # GQA in the kernel where the backend takes it; else K/V repeated first
