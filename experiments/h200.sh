@@ -26,9 +26,10 @@
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
 #   bash experiments/h200.sh kernel  # the attention kernels (one ~9-minute call): the GPU tests, then
-#                                    # probes/gpu_mixed_step.py's five cases with the tiled kernel and with --per-token
-#                                    # (every row per token), then probes/prefill_floor.py (cold prompts of 2,048, 10,000
-#                                    # and 20,000 tokens against their GEMMs + SDPA floor); JSON into RUNS
+#                                    # probes/gpu_mixed_step.py's five cases with the tiled kernel (its last case
+#                                    # profiled kernel by kernel) and with --per-token (every row per token), then
+#                                    # probes/prefill_floor.py (cold prompts of 2,048, 10,000 and 20,000 tokens
+#                                    # against their GEMMs + SDPA floor); JSON into RUNS
 # Every stage but p, t and kernel first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/probes/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
@@ -71,7 +72,8 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
     t) run 540 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py ;;
     kernel) export MVLLM_CACHE=${MVLLM_CACHE:-/tmp/mvcache}
        run 330 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py
-       run 80 mixed-step python3 experiments/probes/gpu_mixed_step.py --repeats 2 --out "$runs/gpu-mixed-step.json"
+       run 80 mixed-step python3 experiments/probes/gpu_mixed_step.py --repeats 2 --profile \
+           --out "$runs/gpu-mixed-step.json"
        run 80 mixed-step-per-token python3 experiments/probes/gpu_mixed_step.py --repeats 2 --per-token \
            --out "$runs/gpu-mixed-step-per-token.json"
        run 100 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json" ;;
