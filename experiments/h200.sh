@@ -25,7 +25,12 @@
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
-# Every stage but p and t first profiles the session's backends once (with --serving), into RUNS.
+#   bash experiments/h200.sh kernel  # the attention kernels (one ~9-minute call): the GPU tests, then
+#                                    # probes/gpu_mixed_step.py's five cases with the tiled kernel (its last case
+#                                    # profiled kernel by kernel) and with --per-token (every row per token), then
+#                                    # probes/prefill_floor.py (cold prompts of 2,048, 10,000 and 20,000 tokens
+#                                    # against their GEMMs + SDPA floor); JSON into RUNS
+# Every stage but p, t and kernel first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/probes/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
 # path compiles once per cache (about 60 s) and then starts in under 30 s.
@@ -57,14 +62,21 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     rm -rf "${runs:?}/$3" && mkdir -p "$runs/$3" && cp "$profile" "$runs/$3/profile.json"
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
-for stage in "${@:?stage p, t, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
+    if [[ $stage != t && $stage != kernel && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
     case $stage in
     p) ;;
     t) run 540 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py ;;
+    kernel) export MVLLM_CACHE=${MVLLM_CACHE:-/tmp/mvcache}
+       run 330 gpu-tests python3 -m pytest -q -p no:logging tests/test_gpu.py tests/test_gpu_ops.py
+       run 80 mixed-step python3 experiments/probes/gpu_mixed_step.py --repeats 2 --profile \
+           --out "$runs/gpu-mixed-step.json"
+       run 80 mixed-step-per-token python3 experiments/probes/gpu_mixed_step.py --repeats 2 --per-token \
+           --out "$runs/gpu-mixed-step-per-token.json"
+       run 100 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json" ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;

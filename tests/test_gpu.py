@@ -82,7 +82,7 @@ def test_compiled_step_compiles_once_for_every_size(tiny, monkeypatch):
             g.step(x, g.tables)
         for b, used, t in [(3, 40, 3000), (5, 2, 2500), (2, 7, 4096)]:
             x = torch.zeros(t, 6, dtype=torch.long)
-            x[:, 2], x[:, 3], x[:, 5] = g.scratch, 1, t
+            x[:, 2], x[:, 3], x[:, 5] = g.scratch, 1, torch.tensor(triton_attention.work_column([], t))
             g.step(x, torch.zeros(b, used, dtype=torch.long))
     assert counters["stats"]["unique_graphs"] - before == 1
 
@@ -101,8 +101,11 @@ def test_pack_builds_every_row_as_the_graph_reads_it():
     want = [[s.token_ids[p], p, s.block_table[p // 16] * 16 + p % 16, p + 1, i]
             for i, (s, (a, b)) in enumerate(zip(seqs, spans)) for p in range(a, b)]
     want += [[0, 0, 1440, 1, 0]] * (t_pad - len(want))
-    starts = [0, 1, 8, 9, 25, 31, *range(32, 512, 16)]  # each sequence's rows cut every 16, then the padding's
-    want = [row + [starts[i] if i < len(starts) else t_pad] for i, row in enumerate(want)]
+    # the attention's work: the tiled kernel's tiles (first row * 16 + rows - 1) of the 7- and 22-token spans, then
+    # of the padding, from the front; the decode rows (-2 - row) from the back, the first last; -1 between
+    tiles = [1 * 16 + 6, 9 * 16 + 15, 25 * 16 + 5, *(r * 16 + 15 for r in range(32, 512, 16))]
+    work = tiles + [-1] * (t_pad - len(tiles) - 3) + [-2 - 31, -2 - 8, -2 - 0]
+    want = [row + [work[i]] for i, row in enumerate(want)]
     assert got.tolist() == want
     tables = block_tables(seqs, width)
     assert tables.tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
@@ -133,8 +136,9 @@ def test_triton_table_kernel_matches_reference(monkeypatch):
     packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, token_seq, [1, 4, 1])
     torch.testing.assert_close(triton_attention.reference(q, cache, packed, tables, bs, scale), want, atol=2e-5,
                                rtol=1e-4)
-    for splits in (1, 4, 16, 0):  # a program per token, keys split over several (decode), the tiled kernel
-        got = triton_attention._triton(q, cache, packed, tables, bs, scale, splits)
+    for splits, tiled in ((1, False), (4, False), (16, False), (None, True), (2, True)):
+        # a program per token, keys split over several (decode); the tiled kernel for the 4-token sequence
+        got = triton_attention._triton(q, cache, packed, tables, bs, scale, splits, tiled)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if not torch.cuda.is_available():
         return  # Triton's interpreter mishandles bf16 dots; the bf16 path is checked on the GPU
@@ -159,14 +163,105 @@ def test_tiled_kernel_matches_reference_across_tiles():
     token_seq = torch.tensor([0] * 45 + [1, 2] + [0] * pad, device=dev)
     q = torch.randn(len(key_len), hkv * group, d, generator=g).to(dev)
     packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, token_seq, counts)
-    assert packed[:, 5].tolist()[:6] == [0, 16, 32, 45, 46, 47] and set(packed[6:, 5].tolist()) == {len(key_len)}
+    work = packed[:, 5].tolist()
+    assert work[:4] == [15, 16 * 16 + 15, 32 * 16 + 12, 47 * 16 + 4] and work[-2:] == [-2 - 46, -2 - 45]
+    assert set(work[4:-2]) == {-1}
     want = gathered_attention(q, cache, tables, token_seq, key_len, bs, d ** -0.5)[:47]
-    for splits in (0, 1):
-        got = triton_attention._triton(q, cache, packed, tables, bs, d ** -0.5, splits)[:47]
+    for tiled in (True, False):
+        got = triton_attention._triton(q, cache, packed, tables, bs, d ** -0.5, tiled=tiled)[:47]
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if torch.cuda.is_available():  # bf16 inputs, float32 sums
-        got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, tables, bs, d ** -0.5, 0)[:47]
+        got = triton_attention._triton(q.bfloat16(), cache.bfloat16(), packed, tables, bs, d ** -0.5,
+                                       tiled=True)[:47]
         assert (got.float() - want).abs().max() < 0.02
+
+
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """Under Triton's interpreter, tl.dot of bf16 operands as the GPU computes it: the interpreter keeps bf16 as
+    its raw 16 bits and multiplies those (Triton 3.9); here they are widened to float32 first (exact), and the
+    products summed in float32. Without the interpreter, nothing changes."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = getattr(getattr(interpreter, "InterpreterBuilder", None), "create_dot", None)
+    if dot is None or not hasattr(interpreter, "TensorHandle"):
+        pytest.skip("this Triton's interpreter has no create_dot to widen bf16 in; bf16 is checked on the GPU")
+
+    def widened(self, a, b, d, *args):
+        if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+            a, b = (interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+                    for x in (a, b))
+        return dot(self, a, b, d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", widened)
+
+
+STEPS = {  # (each sequence's cached context and new tokens, padding rows, KV heads, query heads per KV head, D)
+    # a chunk after 100 cached tokens: its keys past the first 64-key block seen by every row run unmasked
+    "chunk at offset, group 7": ([(100, 21)], 3, 2, 7, 64),
+    # a chunk after a cached context beside decodes of varied contexts and a cold prompt, lengths not a multiple
+    # of the tile
+    "mixed step, group 4": ([(1, 1), (70, 19), (130, 1), (0, 5), (64, 1)], 2, 2, 4, 32),
+    "mixed step, group 1": ([(33, 17), (12, 1), (0, 2)], 0, 4, 1, 32),
+}
+
+
+def step_case(steps, pad: int, hkv: int, group: int, d: int, dtype: torch.dtype, block_size: int = 16):
+    """A step's rows over shuffled blocks of 16: q, cache, the packed input and tables (one row a sequence), and
+    the float64 attention of every real row."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(len(steps) * 10 + group)
+    widths = [-(-(o + n) // block_size) for o, n in steps]
+    blocks = sum(widths) + 1
+    cache = torch.randn(2, blocks * block_size + 1, hkv, d, generator=g)
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = torch.zeros(len(steps), max(widths), dtype=torch.long)
+    for i, w in enumerate(widths):
+        tables[i, :w] = torch.tensor(order[sum(widths[:i]):sum(widths[:i + 1])])
+    key_len = torch.tensor([k for o, n in steps for k in range(o + 1, o + n + 1)] + [1] * pad)
+    token_seq = torch.tensor([i for i, (_, n) in enumerate(steps) for _ in range(n)] + [0] * pad)
+    q = torch.randn(len(key_len), hkv * group, d, generator=g)
+    packed = triton_attention.pack_rows(key_len - 1, torch.zeros_like(key_len), key_len, token_seq,
+                                        [n for _, n in steps])
+    rows = len(key_len) - pad
+    want = gathered_attention(q.double(), cache.double(), tables, token_seq, key_len, block_size, d ** -0.5)[:rows]
+    q, cache = q.to(dev, dtype), cache.to(dev, dtype)
+    return q, cache, packed.to(dev), tables.to(dev), want.to(dev), d ** -0.5
+
+
+@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+                    "ship without it); the kernel runs on the GPU machine's tests")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(STEPS))
+def test_tiled_kernel_serves_chunks_and_mixed_steps(case, dtype, bf16_dots, monkeypatch):
+    """Every row of a sequence with 2+ new tokens through the tiled kernel, decodes through the per-token one
+    (the default for a step of more tokens than sequences), against float64 and against the per-token kernel
+    for every row: the same within float32's rounding; in bf16 within bf16's."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton without CUDA: set TRITON_INTERPRET=1 to run the kernel on the CPU")
+    q, cache, packed, tables, want, scale = step_case(*STEPS[case], dtype=getattr(torch, dtype))
+    rows = len(want)
+    assert triton_attention.runs_tiles(len(q), len(tables))
+    tiled = triton_attention._triton(q, cache, packed, tables, 16, scale)[:rows].double()
+    per_token = triton_attention._triton(q, cache, packed, tables, 16, scale, tiled=False)[:rows].double()
+    split = triton_attention._triton(q, cache, packed, tables, 16, scale, splits=4)[:rows].double()
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    for got in (tiled, per_token, split):
+        torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(tiled, per_token, **tol)
+    if dtype == "float32":  # TILED_MIN = 1: the decodes through the tiled kernel too (one row a tile)
+        monkeypatch.setattr(triton_attention, "TILED_MIN", 1)
+        lens = [int(x) for x in packed[:rows, 4].bincount().tolist()]
+        packed[:, 5] = torch.tensor(triton_attention.work_column(lens, len(q)))
+        assert min(packed[:, 5].tolist()) == -1  # tiles only, no row left to the per-token kernel
+        got = triton_attention._triton(q, cache, packed, tables, 16, scale)[:rows].double()
+        torch.testing.assert_close(got, want, **tol)
+    if dtype == "bfloat16":  # the bf16 kernels' error is bf16's, not a wrong key: far below one row's spread
+        assert (tiled - want).abs().max() < 0.1 * want.std()
 
 
 def gathered_attention(q, cache, tables, token_seq, key_len, block_size: int, scale: float) -> torch.Tensor:
@@ -300,24 +395,28 @@ def test_fast_paths_match_eager(model, dtype, path):
 @cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_long_prefill_tiles_match_the_per_token_kernel(dtype, monkeypatch):
-    """A 1,500-token prefill's logits at every position through the tiled attention kernel and through the
-    per-token one: the same in float32; in bf16 the mean KL and the top-1 agreement between the two."""
+    """A 1,500-token prefill's logits at every position through the tiled attention kernel, whole and in chunks of
+    384 over the cached context, and through the per-token one: the same in float32; in bf16 the mean KL and the
+    top-1 agreement between them."""
     from mvllm.profile.accuracy import logits
 
     llm = LLM("synthetic:qwen2.5-0.5b", device="cuda", dtype=dtype, max_active=4, num_blocks=200)
     ids = prompts(3, [1500], vocab=llm.engine.source.config.vocab_size)[0]
     model, dev, dt = llm.engine.model, torch.device("cuda"), getattr(torch, dtype)
-    tiled = logits(model, ids, dev, dt, layout="table")
-    monkeypatch.setattr(triton_attention, "TILED_FROM", 10 ** 9)
+    tiled = {"whole": logits(model, ids, dev, dt, layout="table"),
+             "chunks": logits(model, ids, dev, dt, chunk=384, layout="table")}
+    monkeypatch.setattr(triton_attention, "TILED_MIN", 10 ** 9)
     rows = logits(model, ids, dev, dt, layout="table")
-    kl = torch.nn.functional.kl_div(tiled.log_softmax(-1), rows.log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
-    top1 = (tiled.argmax(-1) == rows.argmax(-1)).float().mean().item()
-    print(f"{dtype}: tiled against per-token kernel over {len(ids)} positions: KL {kl:.2e}, top-1 {top1:.4f}")
-    if dtype == "float32":
-        torch.testing.assert_close(tiled, rows, atol=1e-3, rtol=1e-3)
-    else:
-        assert kl < 1e-2 and top1 > 0.9
+    for name, got in tiled.items():
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), rows.log_softmax(-1), log_target=True,
+                                        reduction="batchmean").item()
+        top1 = (got.argmax(-1) == rows.argmax(-1)).float().mean().item()
+        print(f"{dtype}: tiled ({name}) against per-token kernel over {len(ids)} positions: KL {kl:.2e}, "
+              f"top-1 {top1:.4f}")
+        if dtype == "float32":
+            torch.testing.assert_close(got, rows, atol=1e-3, rtol=1e-3)
+        else:
+            assert kl < 1e-2 and top1 > 0.9
 
 
 @cuda

@@ -41,13 +41,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (with --scale)")
     ap.add_argument("--scale", type=int, default=1, help="divide every length by this")
     ap.add_argument("--cases", help="comma-separated indices into CASES (default: all)")
-    ap.add_argument("--per-token", action="store_true", help="every step through the per-token attention kernel "
-                    "(no tiled kernel for long steps), for a same-machine comparison")
+    ap.add_argument("--per-token", action="store_true", help="every row through the per-token attention kernel "
+                    "(no tiled kernel for prefill chunks), for a same-machine comparison")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.per_token:
         from mvllm.kernels import triton_attention
-        triton_attention.TILED_FROM = 10 ** 9
+        triton_attention.TILED_MIN = 10 ** 9
     t0 = time.perf_counter()
     llm = LLM(a.model, device=a.device, dtype="bfloat16" if a.device == "cuda" else None, max_active=16, kv_cache_gb=8.0, overlap=False)
     eng = llm.engine

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mvllm.engine.cuda_graphs import GraphRunner, block_tables, fill_span
-from mvllm.kernels.triton_attention import TILED_FROM, tile_starts
+from mvllm.kernels.triton_attention import work_list
 
 BLOCK, SCRATCH = 16, 99_999
 
@@ -21,14 +21,14 @@ BLOCK, SCRATCH = 16, 99_999
 def numpy_slices(seqs, spans, t_pad: int) -> np.ndarray:
     """The earlier pack: numpy slices for every sequence, one new token or many."""
     buf = np.zeros((t_pad, 6), dtype=np.int64)
-    buf[:, 2], buf[:, 3], buf[:, 5] = SCRATCH, 1, t_pad
+    buf[:, 2], buf[:, 3], buf[:, 5] = SCRATCH, 1, -1
     row = 0
     for i, (seq, (a, b)) in enumerate(zip(seqs, spans)):
         fill_span(buf, row, seq, a, b, i, BLOCK)
         row += b - a
-    if t_pad >= TILED_FROM:
-        starts = tile_starts([b - a for a, b in spans], t_pad)
-        buf[:len(starts), 5] = starts
+    tiles, per_token = work_list([b - a for a, b in spans], t_pad)
+    buf[:len(tiles), 5] = tiles
+    buf[t_pad - len(per_token):, 5] = per_token
     return buf
 
 

@@ -6,8 +6,8 @@ count T, padded up to a bucket (token_buckets: a ladder, so a large max_active a
 size). Steps of up to max(64, max_active) tokens run the LM head and the greedy argmax in their graph too, so
 a greedy decode step is one replay and one copy of the token ids back. Inputs live in two static int64
 buffers, filled by a host-to-device copy each per step: the tokens' [T, 6] (token, position, slot, context
-length, its sequence's row of the tables, and the first rows of the long-prefill kernel's tiles) and the
-sequences' block tables [max_active, W]. Padding rows
+length, its sequence's row of the tables, and the attention's work list: the tiled kernel's tiles, the rows
+left to the per-token kernel) and the sequences' block tables [max_active, W]. Padding rows
 write their K/V to a scratch slot and attend to one key; their outputs are ignored.
 
 Two ways to run a step:
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from mvllm.engine.sequence import Sequence
-from mvllm.kernels.triton_attention import TILED_FROM, tile_starts
+from mvllm.kernels import triton_attention
 from mvllm.kernels.triton_ops import argmax, fold_norms
 from mvllm.model.attention import AttnMeta
 from mvllm.model.decoder import Decoder
@@ -144,9 +144,8 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         for t, x in self.inputs.items():
-            x[:, 2], x[:, 3], x[:, 5] = self.scratch, 1, t
-            starts = tile_starts([], t)
-            x[:len(starts), 5] = torch.tensor(starts)
+            x[:, 2], x[:, 3] = self.scratch, 1
+            x[:, 5] = torch.tensor(triton_attention.work_column([], t))
         pool = None
         for lk in reversed(self.context_buckets):
             for t in reversed(self.token_buckets):
@@ -175,7 +174,7 @@ class GraphRunner:
         filled with numpy slices. Rows past the step's tokens are padding (scratch slot, one key)."""
         bs = self.block_size
         buf = np.zeros((t_pad, 6), dtype=np.int64)
-        buf[:, 2], buf[:, 3], buf[:, 5] = self.scratch, 1, t_pad
+        buf[:, 2], buf[:, 3], buf[:, 5] = self.scratch, 1, -1
         row, singles, at = 0, [], []
         for i, (seq, (a, b)) in enumerate(zip(seqs, spans)):
             n = b - a
@@ -188,9 +187,11 @@ class GraphRunner:
             row += n
         if singles:
             buf[at, :5] = singles
-        if t_pad >= TILED_FROM:  # the tiled attention kernel's tiles (smaller steps run the per-token one)
-            starts = tile_starts([b - a for a, b in spans], t_pad)
-            buf[:len(starts), 5] = starts
+        tiles, per_token = triton_attention.work_list([b - a for a, b in spans], t_pad)  # the attention's work
+        if tiles:
+            buf[:len(tiles), 5] = tiles
+        if per_token:
+            buf[t_pad - len(per_token):, 5] = per_token
         return buf
 
     def run(self, seqs: list[Sequence], spans: list[tuple[int, int]], key: tuple[int, int],

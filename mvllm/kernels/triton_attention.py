@@ -4,20 +4,25 @@ Two custom ops. `mvllm::rope_store` rotates the new tokens' queries and keys and
 slots, in one kernel straight from the QKV projection's output. `mvllm::table_attention` then lets every new
 token attend to the first keys of its sequence (its key length), found through its block table. A token
 of a sequence computed several tokens at a time sees the keys up to its own position, so one layout serves
-decode, warm-prefix prefill and mixed steps. On CUDA with Triton the attention is one kernel: a program per
-(token, KV head) holds that head's group of query heads and streams the keys block by block with an online
-softmax; when few tokens would leave the GPU idle (decode), each token's keys are split over several
-programs and a second kernel merges their partial sums (flash-decoding). Elsewhere (and as the reference in
-tests) both run in plain PyTorch. torch.compile sees each op as one opaque call (rope_store mutates the
-cache), so the rest of the layer fuses around them: three kernels per layer for rotary, the cache write and
-attention, where inductor's rotary, two index copies, attention and copies of its inputs took eight. Both ops
-read the step's packed input whole: one row per token (token id, position, slot, key length, the row of its
-sequence in `tables`, and a tile's first row: see below), and the attention reads `tables` [sequences, W],
-each sequence's block table once: a step's input grows with its tokens plus its sequences' blocks, not with
-their product. A step of TILED_FROM tokens or more (a long prefill) runs another attention kernel: a program
-per tile of up to TILE consecutive tokens of one sequence (and KV head) streams the sequence's keys once for all
-of them, causally, instead of once per token; column 5 lists the tiles' first rows (then T), as `tile_starts`
-cuts a step's spans.
+decode, chunked and warm-prefix prefill and mixed steps. Elsewhere (and as the reference in tests) both run in
+plain PyTorch. torch.compile sees each op as one opaque call (rope_store mutates the cache), so the rest of the
+layer fuses around them. Both ops read the step's packed input whole: one row per token (token id, position,
+slot, key length, the row of its sequence in `tables`, and an entry of the step's work list: see below), and
+the attention reads `tables` [sequences, W], each sequence's block table once: a step's input grows with its
+tokens plus its sequences' blocks, not with their product.
+
+On CUDA with Triton the attention runs two kernels, each told its work by column 5 (`work_list`):
+- the tiled kernel, for the rows of a sequence with TILED_MIN new tokens or more (prefill chunks, with or
+  without a cached context before them): a program per tile of up to TILE consecutive tokens of one sequence
+  and one KV head holds the tile's tokens times the head's group of query heads (16 x 7 rows for Qwen2.5-0.5B's
+  14 heads over 2) as one block of queries, and loads each block of keys and values once for all of them,
+  through the sequence's block table; blocks every row of the tile may see run unmasked, the last ones causally;
+- the per-token kernel, for the other rows (decodes): a program per (token, KV head) streams the token's keys
+  with an online softmax; when few tokens would leave the GPU idle, each token's keys are split over several
+  programs and a third kernel merges their partial sums (flash-decoding).
+A step of no more tokens than sequences (all decodes, or small mixed steps) runs the per-token kernel alone
+for every row: a second launch would cost a decode step more than it saves. TILED_MIN is the one switch:
+1 sends decodes through the tiled kernel too, a large value every row through the per-token kernel.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import torch.nn.functional as F
 
 from mvllm.kernels import cpu_fused
 
-TILE = 16  # tokens a program of the tiled (prefill) kernel takes
-TILED_FROM = 512  # steps of this many tokens or more run the tiled kernel
+TILE = 16  # tokens a program of the tiled kernel takes
+TILED_MIN = 2  # a sequence with this many new tokens in a step or more runs through the tiled kernel
+LOG2E = 1.4426950408889634
 
 try:
     import triton
@@ -96,25 +102,38 @@ def _(q, cache, packed, tables, block_size, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def tile_starts(counts: list[int], t_pad: int) -> list[int]:
-    """The first row of every tile: each sequence's rows (`counts` of them, in order) cut every TILE rows, then
-    the padding rows up to t_pad likewise."""
-    starts, row = [], 0
-    for n in [*counts, t_pad - sum(counts)]:
-        starts += range(row, row + n, TILE)
+def work_list(counts: list[int], t_pad: int) -> tuple[list[int], list[int]]:
+    """The step's work, for column 5 of its input: (tiles, rows). The tiled kernel's tiles go from the front as
+    first row * TILE + rows - 1: each sequence of TILED_MIN new tokens or more (`counts`: each sequence's rows,
+    in order) cut every TILE rows, then the padding rows up to t_pad likewise. The rows left to the per-token
+    kernel go from the back, the first last, as -2 - row; entries between are -1."""
+    tiles, rows, row = [], [], 0
+    for n in counts:
+        if n >= TILED_MIN:
+            tiles += [a * TILE + min(TILE, row + n - a) - 1 for a in range(row, row + n, TILE)]
+        elif n == 1:  # a decode: the common case, kept cheap (the host packs every step)
+            rows.append(-2 - row)
+        else:
+            rows += range(-2 - row, -2 - row - n, -1)
         row += n
-    return starts
+    if row < t_pad:
+        tiles += [a * TILE + min(TILE, t_pad - a) - 1 for a in range(row, t_pad, TILE)]
+    rows.reverse()
+    return tiles, rows
+
+
+def work_column(counts: list[int], t_pad: int) -> list[int]:
+    """Column 5 of a step's input, whole (see work_list)."""
+    tiles, rows = work_list(counts, t_pad)
+    return tiles + [-1] * (t_pad - len(tiles) - len(rows)) + rows
 
 
 def pack_rows(positions: torch.Tensor, slots: torch.Tensor, key_len: torch.Tensor, token_seq: torch.Tensor,
               counts: list[int]) -> torch.Tensor:
     """The packed [T, 6] input from per-token columns (token ids left 0); token_seq: each token's row of the
     step's tables, counts: each sequence's tokens."""
-    t = len(positions)
-    starts = torch.full_like(positions, t)
-    first = tile_starts(counts, t)
-    starts[:len(first)] = torch.tensor(first, dtype=starts.dtype)
-    return torch.stack([torch.zeros_like(positions), positions, slots, key_len, token_seq, starts], dim=1)
+    work = torch.tensor(work_column(counts, len(positions)), dtype=positions.dtype, device=positions.device)
+    return torch.stack([torch.zeros_like(positions), positions, slots, key_len, token_seq, work], dim=1)
 
 
 def reference(q, cache, packed, tables, block_size: int, scale: float) -> torch.Tensor:
@@ -130,34 +149,49 @@ def reference(q, cache, packed, tables, block_size: int, scale: float) -> torch.
     return out.reshape(t, h * d)
 
 
-def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int | None = None) -> torch.Tensor:
+def runs_tiles(t: int, sequences: int) -> bool:
+    """Whether a step of t tokens over at most `sequences` runs the tiled kernel: when one of its sequences surely
+    has TILED_MIN new tokens (more tokens than sequences, for 2). Otherwise every row runs per token."""
+    return -(-t // sequences) >= TILED_MIN
+
+
+def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int | None = None,
+            tiled: bool | None = None) -> torch.Tensor:
+    """tiled (default: runs_tiles) and splits (default: _splits) can be forced by tests."""
     t, h, d = q.shape
     hkv = cache.shape[2]
     group = h // hkv
     out = q.new_empty(t, h, d)
-    if splits is None and t >= TILED_FROM or splits == 0:  # splits=0: the tiled kernel whatever the size (tests)
+    sequences = tables.shape[0]
+    tiled = runs_tiles(t, sequences) if tiled is None else tiled
+    strides = (q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
+               packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1))
+    ieee = q.dtype == torch.float32
+    rows = t  # rows the per-token kernel takes: every row, or (after the tiled kernel) what is left of them
+    if tiled:
         group_pad = triton.next_power_of_2(group)
-        _tiles_kernel[(t, hkv)](
-            q, cache, out, packed, tables, scale, t,
-            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
-            packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, ROWS=TILE, D=d, BLOCK=block_size, BLOCK_N=max(64, block_size),
-            IEEE=q.dtype == torch.float32, num_warps=8 if TILE * group_pad >= 128 else 4)
-        return out.view(t, h * d)
-    splits = splits or _splits(t * hkv, q.device)
+        programs = min(t, t // TILE + sequences + 1)  # at least as many as the tiles
+        _tiles_kernel[(programs, hkv)](
+            q, cache, out, packed, tables, scale * LOG2E, programs, *strides, GROUP=group, GROUP_PAD=group_pad,
+            TILE=TILE, D=d, BLOCK=block_size, BLOCK_N=max(64, block_size), IEEE=ieee,
+            num_warps=8 if TILE * group_pad >= 128 else 4)
+        rows = min(t, sequences * (TILED_MIN - 1))
+        if rows == 0:
+            return out.view(t, h * d)
+    splits = splits or _splits(rows * hkv, q.device)
     part = dict(acc=out, m=out, l=out)  # unused when one split writes the output itself
     if splits > 1:
-        part = dict(acc=q.new_empty(t, splits, h, d, dtype=torch.float32),
-                    m=q.new_empty(t, splits, h, dtype=torch.float32), l=q.new_empty(t, splits, h, dtype=torch.float32))
-    _rows_kernel[(t, hkv, splits)](
-        q, cache, out, part["acc"], part["m"], part["l"], packed, tables, scale,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), packed.stride(0),
-        packed.stride(1), tables.stride(0), tables.stride(1), out.stride(0), out.stride(1),
+        part = dict(acc=q.new_empty(rows, splits, h, d, dtype=torch.float32),
+                    m=q.new_empty(rows, splits, h, dtype=torch.float32),
+                    l=q.new_empty(rows, splits, h, dtype=torch.float32))
+    _rows_kernel[(rows, hkv, splits)](
+        q, cache, out, part["acc"], part["m"], part["l"], packed, tables, scale, t, *strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block_size,
-        BLOCK_N=max(64, block_size), SPLITS=splits, IEEE=q.dtype == torch.float32)
+        BLOCK_N=max(64, block_size), SPLITS=splits, IEEE=ieee, LISTED=tiled)
     if splits > 1:
-        _combine_kernel[(t, h)](part["acc"], part["m"], part["l"], out, out.stride(0), out.stride(1), H=h, D=d,
-                                SPLITS=splits)
+        _combine_kernel[(rows, h)](part["acc"], part["m"], part["l"], out, packed, t, packed.stride(0),
+                                   packed.stride(1), out.stride(0), out.stride(1), H=h, D=d, SPLITS=splits,
+                                   LISTED=tiled)
     return out.view(t, h * d)
 
 
@@ -243,123 +277,164 @@ if triton is not None:
         tl.store(out + HALF + i, r2)
 
     @triton.jit
-    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, tables_ptr, scale,
-                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
-        """Program (token, KV head, split): the split's share of the token's keys, for the KV head's group
-        of query heads. One split writes the output; several write partial sums for _combine_kernel."""
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        n = tl.load(packed_ptr + row * s_row + 3 * s_col)
-        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, n)
-        table = tables_ptr + tl.load(packed_ptr + row * s_row + 4 * s_col) * st_seq
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + row * sq_t + heads[:, None] * sq_h + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            valid = j < hi
-            block = tl.load(table + (j // BLOCK) * st_col, mask=valid, other=0)
-            at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
-            keys = tl.load(cache_ptr + at, mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(keys)) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            values = tl.load(cache_ptr + sc_kv + at, mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-            total = total * alpha + tl.sum(p, 1)
-            m = m_new
-        mask = (g < GROUP)[:, None]
-        if SPLITS == 1:
-            tl.store(out_ptr + row * so_t + heads[:, None] * so_h + d[None, :],
-                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    def listed_row(packed_ptr, p, T, s_row, s_col, LISTED: tl.constexpr):
+        """The row a per-token program p takes: p itself, or (LISTED) the p-th from the back of column 5, -1
+        where that entry is not a per-token row."""
+        if LISTED:
+            row = tl.maximum(-2 - tl.load(packed_ptr + (T - 1 - p) * s_row + 5 * s_col), -1)
         else:
-            H = GROUP * tl.num_programs(1)
-            at = (row * SPLITS + split) * H + heads
-            tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=mask)
-            tl.store(m_ptr + at, m, mask=g < GROUP)
-            tl.store(l_ptr + at, total, mask=g < GROUP)
+            row = p + 0 * T
+        return row
 
     @triton.jit
-    def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, scale, T,
-                      sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Program (tile, KV head): the tile's tokens (up to ROWS consecutive rows of one sequence, from column 5)
-        times the KV head's group of query heads, as one block of queries over the sequence's keys up to the
-        tile's longest key length, each token masked past its own (causal within a prefill). Programs past the
-        last tile do nothing."""
-        tile = tl.program_id(0)
+    def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, tables_ptr, scale, T,
+                     sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, LISTED: tl.constexpr):
+        """Program (p, KV head, split): the split's share of one token's keys (row p, or the p-th per-token row
+        of column 5), for the KV head's group of query heads. One split writes the output; several write
+        partial sums (at p) for _combine_kernel."""
+        p = tl.program_id(0)
         kvh = tl.program_id(1)
-        r0 = tl.load(packed_ptr + tile * s_row + 5 * s_col)
-        if r0 < T:  # programs past the last tile do nothing
-            nxt = tl.load(packed_ptr + (tile + 1) * s_row + 5 * s_col, mask=tile + 1 < T, other=T)
-            n = tl.minimum(nxt, T) - r0
-            i = tl.arange(0, ROWS * GROUP_PAD)
-            m = i // GROUP_PAD
-            g = i % GROUP_PAD
-            valid = (m < n) & (g < GROUP)
-            rows = r0 + m
-            heads = kvh * GROUP + g
+        split = tl.program_id(2)
+        row = listed_row(packed_ptr, p, T, s_row, s_col, LISTED)
+        if row >= 0:
+            n = tl.load(packed_ptr + row * s_row + 3 * s_col)
+            chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, n)
+            table = tables_ptr + tl.load(packed_ptr + row * s_row + 4 * s_col) * st_seq
+            g = tl.arange(0, GROUP_PAD)
             d = tl.arange(0, D)
-            q = tl.load(q_ptr + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
-            key_len = tl.load(packed_ptr + rows * s_row + 3 * s_col, mask=m < n, other=1)
-            hi = tl.max(key_len, 0)
-            table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
-            mx = tl.full([ROWS * GROUP_PAD], float("-inf"), tl.float32)
-            total = tl.zeros([ROWS * GROUP_PAD], tl.float32)
-            acc = tl.zeros([ROWS * GROUP_PAD, D], tl.float32)
-            for start in range(0, hi, BLOCK_N):
+            heads = kvh * GROUP + g
+            q = tl.load(q_ptr + row * sq_t + heads[:, None] * sq_h + d[None, :], mask=(g < GROUP)[:, None],
+                        other=0.0)
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, D], tl.float32)
+            for start in range(lo, hi, BLOCK_N):
                 j = start + tl.arange(0, BLOCK_N)
-                inside = j < hi
-                block = tl.load(table + (j // BLOCK) * st_col, mask=inside, other=0)
+                valid = j < hi
+                block = tl.load(table + (j // BLOCK) * st_col, mask=valid, other=0)
                 at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
-                keys = tl.load(cache_ptr + at, mask=inside[:, None], other=0.0)
+                keys = tl.load(cache_ptr + at, mask=valid[:, None], other=0.0)
                 if IEEE:
                     s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
                 else:
                     s = tl.dot(q, tl.trans(keys)) * scale
-                s = tl.where(j[None, :] < key_len[:, None], s, float("-inf"))
-                m_new = tl.maximum(mx, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(mx - m_new)
-                values = tl.load(cache_ptr + sc_kv + at, mask=inside[:, None], other=0.0)
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                prob = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m - m_new)
+                values = tl.load(cache_ptr + sc_kv + at, mask=valid[:, None], other=0.0)
                 if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+                    acc = acc * alpha[:, None] + tl.dot(prob, values, input_precision="ieee")
                 else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-                total = total * alpha + tl.sum(p, 1)
-                mx = m_new
+                    acc = acc * alpha[:, None] + tl.dot(prob.to(values.dtype), values)
+                total = total * alpha + tl.sum(prob, 1)
+                m = m_new
+            mask = (g < GROUP)[:, None]
+            if SPLITS == 1:
+                tl.store(out_ptr + row * so_t + heads[:, None] * so_h + d[None, :],
+                         (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                H = GROUP * tl.num_programs(1)
+                at = (p * SPLITS + split) * H + heads
+                tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=mask)
+                tl.store(m_ptr + at, m, mask=g < GROUP)
+                tl.store(l_ptr + at, total, mask=g < GROUP)
+
+    @triton.jit
+    def attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scale, sc_kv, sc_slot, sc_h,
+               st_col, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               IEEE: tl.constexpr):
+        """One block of BLOCK_N keys from `start` (through the block table) into a tile's online softmax, in
+        base 2 (qk_scale has log2(e) in it). MASKED: keys past hi are not loaded, and each row sees its first
+        key_len keys only; otherwise every row sees every key of the block."""
+        j = start + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, D)
+        seen = j < hi
+        if MASKED:
+            block = tl.load(table + (j // BLOCK) * st_col, mask=seen, other=0)
+        else:
+            block = tl.load(table + (j // BLOCK) * st_col)
+        at = (block * BLOCK + j % BLOCK)[:, None] * sc_slot + kvh * sc_h + d[None, :]
+        if MASKED:
+            keys = tl.load(cache_ptr + at, mask=seen[:, None], other=0.0)
+            values = tl.load(cache_ptr + sc_kv + at, mask=seen[:, None], other=0.0)
+        else:
+            keys = tl.load(cache_ptr + at)
+            values = tl.load(cache_ptr + sc_kv + at)
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(keys)) * qk_scale
+        if MASKED:
+            s = tl.where(j[None, :] < key_len[:, None], s, float("-inf"))
+        m_new = tl.maximum(mx, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(mx - m_new)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        return acc, m_new, total * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, qk_scale, PROGRAMS,
+                      sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Program (p, KV head): a tile of column 5 (read from the PROGRAMS-th entry down, so the later tiles of
+        a sequence, with more keys, start first): up to TILE consecutive rows of one sequence times the KV
+        head's group of query heads, as one block of queries over the sequence's keys up to the tile's longest
+        key length. Blocks every row sees run unmasked; in the rest each row is masked past its own key length
+        (causal within the chunk, after whatever context is cached). Entries that are not tiles do nothing."""
+        e = tl.load(packed_ptr + (PROGRAMS - 1 - tl.program_id(0)) * s_row + 5 * s_col)
+        kvh = tl.program_id(1)
+        if e >= 0:
+            r0 = e // TILE
+            n = e % TILE + 1
+            i = tl.arange(0, TILE * GROUP_PAD)
+            m = i // GROUP_PAD
+            g = i % GROUP_PAD
+            inside = m < n
+            valid = inside & (g < GROUP)
+            rows = r0 + m
+            heads = kvh * GROUP + g
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None],
+                        other=0.0)
+            key_len = tl.load(packed_ptr + rows * s_row + 3 * s_col, mask=inside, other=1)
+            hi = tl.max(key_len, 0)
+            unmasked = tl.min(tl.where(inside, key_len, hi), 0) // BLOCK_N * BLOCK_N  # keys every row sees
+            table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
+            mx = tl.full([TILE * GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([TILE * GROUP_PAD], tl.float32)
+            acc = tl.zeros([TILE * GROUP_PAD, D], tl.float32)
+            for start in range(0, unmasked, BLOCK_N):
+                acc, mx, total = attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scale,
+                                        sc_kv, sc_slot, sc_h, st_col, D, BLOCK, BLOCK_N, False, IEEE)
+            for start in range(unmasked, hi, BLOCK_N):
+                acc, mx, total = attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scale,
+                                        sc_kv, sc_slot, sc_h, st_col, D, BLOCK, BLOCK_N, True, IEEE)
             tl.store(out_ptr + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
                      (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
-    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, H: tl.constexpr, D: tl.constexpr,
-                        SPLITS: tl.constexpr):
-        """Program (token, query head): the splits' partial softmax sums merged into the output."""
-        row = tl.program_id(0)
+    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, packed_ptr, T, s_row, s_col, so_t, so_h, H: tl.constexpr,
+                        D: tl.constexpr, SPLITS: tl.constexpr, LISTED: tl.constexpr):
+        """Program (p, query head): the splits' partial softmax sums of _rows_kernel's program p merged into its
+        row of the output."""
+        p = tl.program_id(0)
         head = tl.program_id(1)
-        s = tl.arange(0, SPLITS)
-        d = tl.arange(0, D)
-        at = (row * SPLITS + s) * H + head
-        m = tl.load(m_ptr + at)
-        weight = tl.exp(m - tl.max(m, 0))  # empty splits: m = -inf, weight 0
-        total = tl.sum(weight * tl.load(l_ptr + at), 0)
-        acc = tl.sum(weight[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :]), 0)
-        tl.store(out_ptr + row * so_t + head * so_h + d, (acc / total).to(out_ptr.dtype.element_ty))
+        row = listed_row(packed_ptr, p, T, s_row, s_col, LISTED)
+        if row >= 0:
+            s = tl.arange(0, SPLITS)
+            d = tl.arange(0, D)
+            at = (p * SPLITS + s) * H + head
+            m = tl.load(m_ptr + at)
+            weight = tl.exp(m - tl.max(m, 0))  # empty splits: m = -inf, weight 0
+            total = tl.sum(weight * tl.load(l_ptr + at), 0)
+            acc = tl.sum(weight[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :]), 0)
+            tl.store(out_ptr + row * so_t + head * so_h + d, (acc / total).to(out_ptr.dtype.element_ty))

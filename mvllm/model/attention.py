@@ -38,7 +38,7 @@ class AttnMeta:
     keys_len: int = 0  # with block_index: Lk
     token_seq: torch.Tensor | None = None  # fused: [T] row of block_index each token belongs to
     key_len: torch.Tensor | None = None  # fused: [T] keys each token attends to (its position + 1)
-    packed: torch.Tensor | None = None  # table: [T, 6] token id, position, slot, key length, row in tables, tile
+    packed: torch.Tensor | None = None  # table: [T, 6] token id, position, slot, key length, row in tables, work
     tables: torch.Tensor | None = None  # table: [sequences, W] each sequence's block table
     out_rows: torch.Tensor | None = None  # fused: the rows whose hidden state is returned (None: all)
 
