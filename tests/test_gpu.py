@@ -420,6 +420,37 @@ def test_long_prefill_tiles_match_the_per_token_kernel(dtype, monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_prefill_on_the_gpu_matches_whole_prompts(dtype):
+    """A budget of 64 tokens a step (prompts in chunks beside decodes, through the compiled graphs with overlap, never
+    the eager model) against the eager path taking prompts whole: the same greedy tokens in float32 (ties aside in
+    bf16), and every block back."""
+    kw = dict(device="cuda", dtype=dtype, max_active=16, num_blocks=170)
+    chunked = LLM("synthetic:qwen2.5-0.5b", **kw, max_step_tokens=64)
+    whole = LLM("synthetic:qwen2.5-0.5b", **kw, **EAGER, max_step_tokens=1 << 20)
+    runner = chunked.engine.runner
+
+    def eager(*args, **kw):
+        raise AssertionError("a budgeted CUDA step ran the eager model")
+
+    runner.forward = eager
+    vocab = chunked.engine.source.config.vocab_size - 1
+    got = workload(chunked, vocab, 496, 24) + churn(chunked, vocab)
+    want = workload(whole, vocab, 496, 24) + churn(whole, vocab)
+    assert chunked.engine.config.overlap and runner.graphs.replays > 0
+    assert chunked.engine.blocks.num_free == chunked.engine.blocks.num_blocks
+    asked = workload_prompts(vocab, 496)[1:] + churn_prompts(vocab)
+    assert_same_or_tie(got, want, asked, whole, exact=dtype == "float32")
+
+
+@cuda
+def test_default_budget_follows_the_gpu_memory():
+    llm = LLM("synthetic:tiny-qwen2", device="cuda", max_active=4)
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert llm.engine.config.max_step_tokens == (8192 if gib >= 70 else 2048)
+
+
+@cuda
 def test_overlap_on_the_gpu_matches_the_plain_loop():
     """overlap (CUDA's default) through the compiled CUDA graphs: the ids fed to the next graph on the device, copied to the
     host behind a CUDA event. The same batches run in both (stops by length only), so the same tokens."""

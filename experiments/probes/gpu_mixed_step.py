@@ -49,7 +49,8 @@ def main() -> None:
         from mvllm.kernels import triton_attention
         triton_attention.TILED_MIN = 10 ** 9
     t0 = time.perf_counter()
-    llm = LLM(a.model, device=a.device, dtype="bfloat16" if a.device == "cuda" else None, max_active=16, kv_cache_gb=8.0, overlap=False)
+    llm = LLM(a.model, device=a.device, dtype="bfloat16" if a.device == "cuda" else None, max_active=16, kv_cache_gb=8.0, overlap=False,
+              max_step_tokens=1 << 20)  # every case's prompts in one step, as the kernels are compared
     eng = llm.engine
     print(f"{a.model} ready {time.perf_counter() - t0:.1f} s, {eng.blocks.num_blocks} blocks", flush=True)
     packs: list[tuple[float, int]] = []
