@@ -29,10 +29,12 @@ def llms(tiny):
     return get
 
 
+@pytest.mark.parametrize("budget", [None, 8])
 @pytest.mark.parametrize("kind", KINDS + ["llama-bias", "mistral"])
-def test_single_requests(kind, tiny, llms):
+def test_single_requests(kind, budget, tiny, llms):
+    """budget 8: every prompt of more than 8 tokens runs in chunks of 8 (max_step_tokens)."""
     _, ref = tiny(kind)
-    llm = llms(kind)
+    llm = llms(kind, max_step_tokens=budget)
     for prompt in prompts(1, [1, 7, 16, 45, 70]):  # 70 + 24 crosses the llama3 original context (32)
         out = llm.generate(prompt, greedy(24))[0]
         assert out.token_ids == hf_greedy(ref, prompt, 24)
@@ -40,12 +42,13 @@ def test_single_requests(kind, tiny, llms):
         assert out.prompt_token_ids == prompt
 
 
+@pytest.mark.parametrize("budget", [None, 11])
 @pytest.mark.parametrize("kind", KINDS)
-def test_continuous_batch_of_mixed_lengths(kind, tiny, llms):
+def test_continuous_batch_of_mixed_lengths(kind, budget, tiny, llms):
     """More prompts than max_active, finishing at different steps: new ones are admitted mid-flight and
-    share batches (prefill beside decode) with running ones."""
+    share batches (prefill beside decode) with running ones; with a budget of 11 tokens, in chunks."""
     _, ref = tiny(kind)
-    llm = llms(kind, max_active=3)
+    llm = llms(kind, max_active=3, max_step_tokens=budget)
     sched = llm.engine.scheduler
     seen, schedule = [], sched.schedule
 
@@ -71,11 +74,12 @@ def test_continuous_batch_of_mixed_lengths(kind, tiny, llms):
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("budget", [None, 7])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefix_cache_gives_same_tokens(kind, tiny, llms):
+def test_prefix_cache_gives_same_tokens(kind, budget, tiny, llms):
     base = prompts(3, [40])[0]
     path, ref = tiny(kind)
-    cached = llms(kind, num_blocks=64)
+    cached = llms(kind, num_blocks=64, max_step_tokens=budget)
     first = cached.generate(base, greedy(20))[0]
     assert first.num_cached_tokens == 0
     assert first.token_ids == hf_greedy(ref, base, 20)
