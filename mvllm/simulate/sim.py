@@ -60,6 +60,30 @@ def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
     return out
 
 
+def step_budgets(profile: dict, specs: list[BackendSpec]) -> dict[str, int | None]:
+    """Each backend's step budget as the simulator runs it: the profile's max_step_tokens where the profile
+    measured its chunk rows (else None: prompts priced whole, as the engine ran them before steps had a budget).
+    A backend whose spec sets another budget than the one its profile measured under is refused."""
+    out = {}
+    for s in specs:
+        entry = profile["backends"].get(s.name, {})
+        have, want = entry.get("max_step_tokens"), getattr(s, "max_step_tokens", None)
+        if want and have and want != have:
+            raise SimulateError(f"backend {s.name} runs max_step_tokens={want}, its profile was measured under "
+                                f"{have}: profile it again with that budget (`mvllm profile`)")
+        out[s.name] = have if have and entry.get("chunks") else None
+    return out
+
+
+def budget_line(budgets: dict[str, int | None]) -> str | None:
+    """The one line that says which backends' prompts are priced whole (a profile without the chunk rows)."""
+    old = [name for name, b in budgets.items() if b is None]
+    if not old:
+        return None
+    return (f"the profile has no budgeted step rows for {', '.join(old)}: their prompts are priced whole in one "
+            "step, as before steps had a budget (`mvllm profile` again to price chunked prefill)")
+
+
 def kv_blocks(profile: dict, specs: list[BackendSpec]) -> dict[str, int | None]:
     """Each backend's KV blocks as served: its spec's num_blocks, else the profile's kv_blocks, else None
     (unbounded: an older profile)."""
@@ -103,6 +127,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     most = {s.name: s.max_active for s in specs}
     rates = rates_as_served(profile, most)
     blocks = kv_blocks(profile, specs)
+    budgets = step_budgets(profile, specs)
     backends = {name: Backend(name, t, KVCache(blocks[name]))
                 for name, t in timings(rates, [s.name for s in specs]).items()}
     router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates,
@@ -121,6 +146,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
         keep.extend(records)
     summary = summarize(records)
     summary["kv_blocks"] = blocks
+    summary["max_step_tokens"] = budgets
     summary["preemptions"] = {name: b.preemptions for name, b in backends.items()}
     return summary
 
@@ -224,7 +250,7 @@ def scaled_steps(profile: dict, ratios: dict[str, float]) -> dict:
         entry = out["backends"][name]
         for step in entry.get("decode", []) + entry.get("contexts", []):
             step["step_ms"] *= ratio
-        for step in entry.get("mixed", []):
+        for step in entry.get("mixed", []) + entry.get("chunks", []):
             step["ms"] *= ratio
     return out
 
@@ -291,6 +317,8 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if say is not None:  # after the runs: an error (a profile without step times) stays one line
+            if value == exp.points()[0][0] and (line := budget_line(rows[-1]["max_step_tokens"])):
+                say(line)
             say(("" if value is None else f"{exp.sweep.knob}={value}: ") + wl.selection_line(built.selection))
         if out is not None:
             name = "workload.json" if value is None else f"workload-{exp.sweep.knob}-{value}.json"
