@@ -99,6 +99,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     start = time.perf_counter()
     engine = Engine(config, source)
     ready_s = time.perf_counter() - start
+    budget = getattr(engine.config, "max_step_tokens", None) or budget  # as the engine resolved it
     progress(f"{spec.name}: ready in {ready_s:.1f} s")
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],

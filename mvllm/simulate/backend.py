@@ -15,7 +15,8 @@ through the same budget. A step costs the profile's decode step at its batch (th
 the context its decoding requests hold where the profile decoded at several depths (`Timing.at_depth`), plus
 each chunk's price (`Timing.chunk_s`: its tokens and the context they read). Only the chunk that completes a
 prompt samples: a request's first token comes at the end of that step; the full blocks of each chunk are
-published when its step ends, so a later request can hit them before the prompt is done. A
+published when its step ends (with overlap, as it is launched), so a later request can hit them before the
+prompt is done. A
 request ends at its length (`Job.max_tokens`: the workload's true length, within the max_tokens it was sent,
 `limit`): finish_reason "length" where it reached `limit`, else "stop". Its blocks are then freed, the full
 blocks of its prompt and of its tokens but the last published (the last sampled token's KV is never
@@ -97,6 +98,8 @@ class Backend:
             prefill, self.parts, self.idle = self.schedule(router, self.running, 0)
         if self.timing.overlap:
             parts, idle = self.parts, self.idle
+            for job, end in parts.items():  # launched: the engine publishes a partial chunk's blocks now
+                self._commit(job, end)
             self.planned = [job for job in self.running if not job.done and (
                 job.generated + 1 < job.limit or (parts and job in parts) or (idle and job in idle))]
             self.planned_prefill, self.planned_parts, self.planned_idle = self.schedule(router, self.planned, 1)
