@@ -120,11 +120,17 @@ class Backend:
         """Run the steps that change nothing but tokens, back to back, while each ends before `until` (the next
         event elsewhere); returns the time the last one ended (`now`: none ran). In such a step no request is
         admitted (none waits, or the batch is full), none ends, and each block its requests need is free (no
-        preemption); a backend with overlap runs none (its steps are scheduled a step ahead). Each is the step
-        start_step and end_step would run, and the router hears their tokens and steps after the last of them
-        (`count` tokens of each request: as many of one, routing/router.py): nothing reads it in between."""
-        timing, running, kv = self.timing, self.running, self.kv
-        if timing.overlap or self.planned or not running or (self.waiting and len(running) < timing.max_active):
+        preemption); with overlap, the step scheduled ahead is the same requests (`planned`, none admitted),
+        and each step schedules the same again, its blocks taken a token ahead. Each is the step start_step and
+        end_step would run, and the router hears their tokens and steps after the last of them (`count` tokens
+        of each request: as many of one, routing/router.py): nothing reads it in between."""
+        timing, running, kv, ahead = self.timing, self.running, self.kv, int(self.timing.overlap)
+        if ahead:
+            if self.planned != running or self.planned_prefill or self.planned_parts or self.planned_idle:
+                return now
+        elif self.planned:
+            return now
+        if not running or (self.waiting and len(running) < timing.max_active):
             return now
         if timing.budget is not None and any(j.todo for j in running):  # a prompt still in chunks
             return now
@@ -138,8 +144,8 @@ class Backend:
             end = now + (self.step_time(0.0, i) if dur is None else dur)
             if end >= until:
                 break
-            if i > room:  # schedule's room for the next tokens; where it would preempt, start_step does that
-                if not self.grow(router, running, i, preempt=False):
+            if i + ahead > room:  # schedule's room for the next tokens; where it would preempt, start_step does
+                if not self.grow(router, running, i + ahead, preempt=False):
                     break
                 room = min(j.room - j.generated for j in running)
             now = end
