@@ -139,9 +139,17 @@ class Backend:
         last = min(j.max_tokens - j.generated for j in running) - 1  # the step after it ends one of them
         bounded = kv.num_blocks is not None
         room = min(j.room - j.generated for j in running) if bounded else last  # steps before one needs a block
-        times, dur = [], None if timing.depth_s else self.step_time(0.0)
+        times, dur, ref, n = [], None if timing.depth_s else self.step_time(0.0), timing.depth_ref, len(running)
+        held = None  # the context the batch holds over the table's: a sum of integers, exact in floats
+        if dur is None and float(ref).is_integer():
+            held = sum(len(j.prompt) + j.generated for j in running) - n * ref
         for i in range(last):  # i: the tokens each has made since `now`
-            end = now + (self.step_time(0.0, i) if dur is None else dur)
+            if dur is not None:
+                end = now + dur
+            elif held is not None:  # step_time(0.0, i), summed at once
+                end = now + timing.at_depth(n, held + n * i)
+            else:
+                end = now + self.step_time(0.0, i)
             if end >= until:
                 break
             if i + ahead > room:  # schedule's room for the next tokens; where it would preempt, start_step does

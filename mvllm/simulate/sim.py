@@ -24,6 +24,9 @@ from __future__ import annotations
 import copy
 import heapq
 import json
+import os
+import pickle
+import sys
 from pathlib import Path
 
 from mvllm.backends.spec import BackendSpec, default_backends, parse_backends
@@ -262,17 +265,57 @@ BAND_KEYS = ("makespan", "p95_ttft_ms", "p95_e2el_ms")
 DRIFT = 0.08
 
 
-def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict,
-         believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None) -> dict:
+def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict | None = None,
+         believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None):
     """The same run with every backend's steps `spread` faster and slower than profiled, the router still
     deciding by the profile (or by `believed`): how far the prediction moves within a host's run-to-run drift. A narrow band is
     a firm prediction; a wide one says the load sits at a backend's capacity, where a few percent of step
     time decide whether requests queue. `base`, the run as profiled, lies in it (a tail need not move
-    monotonically with the step time)."""
-    runs = [base] + [run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}), vocab,
-                             believed=believed or profile, built=built, lengths=lengths)
-                           for f in (1 - spread, 1 + spread)]
-    return {"spread": spread, **{k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in BAND_KEYS}}
+    monotonically with the step time). Without `base`: the two runs start at once, each in a process of its
+    own where the host can fork (Linux), and what is returned, called with `base`, waits for them and gives
+    the band (the base run meanwhile runs here: three runs in the time of about one and a half on two cores)."""
+    runs = [later(lambda f=f: run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}),
+                                      vocab, believed=believed or profile, built=built, lengths=lengths))
+            for f in (1 - spread, 1 + spread)]
+
+    def done(base: dict) -> dict:
+        got = [base] + [r() for r in runs]
+        return {"spread": spread, **{k: [min(r[k] for r in got), max(r[k] for r in got)] for k in BAND_KEYS}}
+    return done if base is None else done(base)
+
+
+def later(fn):
+    """fn() in a forked child process where the host forks (Linux), else here and now; returns a function that
+    gives its result (an error in the child is raised here as one line)."""
+    if sys.platform != "linux":
+        got = fn()
+        return lambda: got
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its result back through the pipe, then out without the parent's cleanup
+        try:
+            os.close(r)
+            try:
+                data = pickle.dumps((True, fn()))
+            except BaseException as e:  # noqa: BLE001 (any error goes back as the parent's one line)
+                data = pickle.dumps((False, str(e) or type(e).__name__))
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(0)
+    os.close(w)
+
+    def wait():
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        if not data:
+            raise SimulateError("a band run ended without a result")
+        ok, got = pickle.loads(data)
+        if not ok:
+            raise SimulateError(got)
+        return got
+    return wait
 
 
 def seen(requests: list[wl.Request]) -> Lengths:
@@ -305,9 +348,10 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
             built = wl.build_all(point.workload, vocab, point.model, tokens=False)
         warm = seen(built.requests) if warm_lengths else None
         for policy in policies:
+            pending = band(point, policy, profile, vocab, spread, None, believed, built, warm) if spread > 0 else None
             summary = run_one(point, policy, profile, vocab, believed=believed, built=built, lengths=warm)
-            if spread > 0:
-                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed, built, warm)
+            if pending is not None:
+                summary["band"] = pending(summary)
             summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True,
                            **({"warm_lengths": len(warm.seen)} if warm else {}))
             rows.append(summary)
