@@ -155,7 +155,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
         out["mixed"] = mixed_steps(engine, spec.max_active, lambda: prefix + tokens(DECODE_NEW), repeats, prompts,
                                    progress, spec.name)
     out["chunks"] = chunk_steps(engine, budget, min(spec.max_active - 1, CONTEXT_BATCH),
-                                lambda: prefix + tokens(DECODE_NEW), tokens, max(repeats // 2, 1), progress, spec.name)
+                                lambda: prefix + tokens(DECODE_NEW), tokens, repeats, progress, spec.name)
     out.update(choose_rates(out))
     if reference is not None:
         progress(f"{spec.name}: accuracy against float32 on {len(reference.ids)} tokens")
@@ -167,8 +167,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
 
 def context_steps(engine: Engine, spec: BackendSpec, contexts: tuple[int, ...], steps: int, tokens: Tokens,
                   progress: Progress) -> list[dict]:
-    """Decode at chosen depths, as `llama-bench -d DEPTH` measures it: each request's prompt is DEPTH uncached
-    tokens (one for depth 0), then `steps` timed decode steps, at batch 1 and CONTEXT_BATCH (within
+    """Decode at chosen depths, as `llama-bench -d DEPTH` measures it: each request's prompt is DEPTH tokens (one
+    for depth 0), warmed into the cache first so the batch's prompts end in one step, then `steps` timed decode steps, at batch 1 and CONTEXT_BATCH (within
     max_active). `context` is the mean context of the timed steps."""
     rows = []
     for depth in contexts:
@@ -177,7 +177,10 @@ def context_steps(engine: Engine, spec: BackendSpec, contexts: tuple[int, ...], 
             continue
         for b in sorted({1, min(CONTEXT_BATCH, spec.max_active)}):
             progress(f"{spec.name}: decode at depth {depth}, batch {b}")
-            _, times = decode_steps(engine, [tokens(max(depth, 1)) for _ in range(b)], _greedy(steps + 2))
+            prompts = [tokens(max(depth, 1)) for _ in range(b)]
+            for p in prompts:  # cached first: under a step budget their prefills would end steps apart
+                engine.warm(p)
+            _, times = decode_steps(engine, prompts, _greedy(steps + 2))
             ms = _median_ms(times)
             rows.append({"batch": b, "depth": depth, "context": max(depth, 1) + 1 + (steps + 1) // 2,
                          "step_ms": ms, "tok_s": b / ms * 1000})
