@@ -150,3 +150,14 @@ def test_a_kept_replay_extended_by_new_bookings_is_the_replay_from_scratch():
             done = [rid for rid, b in router.bookings[name].items() if b.active]
             if done:
                 router.on_finished(name, done[0], "stop")
+
+
+def test_the_band_run_in_forked_processes_is_the_band_run_here(tmp_path, monkeypatch):
+    """The band's two runs in child processes (Linux) give what they give run one after the other here."""
+    exp = experiment(kind="trace", path=str(mooncake(tmp_path / "trace.jsonl", 120, gap_ms=5)), scale=4)
+    forked = sim.simulate(exp, CAPACITY, ["eta"], None, spread=0.08)
+    monkeypatch.setattr(sim.sys, "platform", "darwin")
+    here = sim.simulate(exp, CAPACITY, ["eta"], None, spread=0.08)
+    assert forked == here
+    lo, hi = here[0]["band"]["makespan"]
+    assert lo < hi
