@@ -55,11 +55,26 @@ def variant(profile: dict, gpu: int | None = None, cpu: int | None = None, overl
     return out
 
 
+def budgeted(profile: dict, budget: int) -> dict:
+    """The profile with chunk rows (a line and a pair cost; any numbers serve: both paths price by them) and a
+    step budget small enough that the trace's prompts run in chunks."""
+    out = copy.deepcopy(profile)
+    for entry in out["backends"].values():
+        step = entry["decode"][0]["step_ms"]
+        entry["max_step_tokens"] = budget
+        entry["chunks"] = [{"tokens": c, "offset": o, "decodes": 0, "ms": step + 0.01 * c + 1e-6 * c * o}
+                           for c in (budget // 4, budget) for o in (0, budget)]
+    return out
+
+
 PROFILES = {
-    "capacity": CAPACITY,  # the GPU schedules with overlap: it runs no step at once
+    "capacity": CAPACITY,  # the GPU schedules with overlap: steps scheduled a step ahead run at once too
     "capacity-no-overlap": variant(CAPACITY, overlap=False),  # depth-priced steps run at once
     "paper": variant(PAPER, 2000, 600),
     "small-pools": variant(CAPACITY, 300, 120, overlap=False),  # evictions and preemptions
+    "small-pools-overlap": variant(CAPACITY, 300, 120),
+    "budget": budgeted(variant(CAPACITY, 300, 120), 256),  # prompts in chunks, with and without overlap
+    "budget-no-overlap": budgeted(variant(CAPACITY, 300, 120, overlap=False), 256),
 }
 
 
@@ -74,8 +89,10 @@ def test_the_shortcuts_predict_what_the_plain_path_does(tmp_path, monkeypatch, p
         slow = records(exp, policy, PROFILES[profile])
     assert fast[1] == slow[1]
     assert fast[0] == slow[0]
-    if profile == "small-pools":
+    if profile.startswith("small-pools"):
         assert fast[0]["preemptions"]["gpu"] > 0
+    if profile.startswith("budget"):
+        assert fast[0]["max_step_tokens"] == {"gpu": 256, "cpu": 256}
 
 
 def test_many_tokens_at_once_are_as_many_of_one():
@@ -133,3 +150,14 @@ def test_a_kept_replay_extended_by_new_bookings_is_the_replay_from_scratch():
             done = [rid for rid, b in router.bookings[name].items() if b.active]
             if done:
                 router.on_finished(name, done[0], "stop")
+
+
+def test_the_band_run_in_forked_processes_is_the_band_run_here(tmp_path, monkeypatch):
+    """The band's two runs in child processes (Linux) give what they give run one after the other here."""
+    exp = experiment(kind="trace", path=str(mooncake(tmp_path / "trace.jsonl", 120, gap_ms=5)), scale=4)
+    forked = sim.simulate(exp, CAPACITY, ["eta"], None, spread=0.08)
+    monkeypatch.setattr(sim.sys, "platform", "darwin")
+    here = sim.simulate(exp, CAPACITY, ["eta"], None, spread=0.08)
+    assert forked == here
+    lo, hi = here[0]["band"]["makespan"]
+    assert lo < hi

@@ -42,22 +42,38 @@ def _largest(exp: Experiment) -> dict[str, int]:
     return need
 
 
-def _matches(path: Path, model: str, need: dict[str, int]) -> bool:
+def _budgets(exp: Experiment) -> dict[str, int | None]:
+    """The step budget each backend runs: its spec's max_step_tokens, else the default for its device where
+    this host can tell it (the CPU and MPS; a CUDA device present here); None where not known."""
+    from mvllm.profile.plan import spec_budget
+
+    out: dict[str, int | None] = {}
+    for _, point in exp.points():
+        for spec in parse_backends(backend_text(point), point.max_active, check_devices=False):
+            out[spec.name] = spec_budget(spec)
+    return out
+
+
+def _matches(path: Path, model: str, need: dict[str, int], budgets: dict[str, int | None] | None = None) -> bool:
     """An earlier profile in the results folder is reused for the same model and backend names when it
-    measured every batch size up to each backend's max_active (the server cuts it to what it serves)."""
+    measured every batch size up to each backend's max_active (the server cuts it to what it serves) and its
+    budgeted steps (`chunks`) under the budget each backend runs (`budgets`: None where not known here)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
     have = data.get("backends", {})
+    budgets = budgets or {}
     return (data.get("model") == model and set(have) == set(need)
-            and all(int(have[b].get("max_active") or 0) >= n for b, n in need.items()))
+            and all(int(have[b].get("max_active") or 0) >= n for b, n in need.items())
+            and all(have[b].get("chunks") and have[b].get("max_step_tokens") for b in need)
+            and all(have[b]["max_step_tokens"] == n for b, n in budgets.items() if n and b in have))
 
 
 def measure(exp: Experiment, path: Path, console: Console) -> None:
     """An "auto" profile: measured with `mvllm profile` into `path`, unless the one there already serves."""
     need = _largest(exp)
-    if _matches(path, exp.model, need):
+    if _matches(path, exp.model, need, _budgets(exp)):
         return
     backends = backend_text(exp)
     for name, n in need.items():

@@ -22,6 +22,7 @@ from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.engine.cuda_graphs import token_buckets
 from mvllm.engine.engine import Engine, served_pool
 from mvllm.engine.params import SamplingParams
+from mvllm.engine.sizes import default_step_tokens
 from mvllm.env import backend_facts, cpu_name, git_commit
 from mvllm.kernels import cpu_int8
 from mvllm.model.loader import ModelSource, resolve
@@ -30,6 +31,8 @@ from mvllm.profile.plan import DECODE_NEW, DECODE_PREFIX, LENGTHS, WARM_CACHED, 
 from mvllm.routing.rates import REFERENCE_LEN, choose_rates, validate
 
 CONTEXT_BATCH = 4  # --contexts measures batch 1 and this (llama-batched-bench's -npl 1,4)
+CHUNK_SIZES = (8, 4, 2, 1)  # prefill chunks of budget / each (the `chunks` rows)
+CHUNK_OFFSETS = (0, 1, 3)  # ... after budget x each tokens in the KV
 DENSE = 64  # decode is measured at every batch size up to this, past it at CUDA's graph buckets and max_active
 
 
@@ -55,11 +58,13 @@ def decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParam
     return seqs, times
 
 
-def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int, contexts: tuple[int, ...] = ()) -> int | None:
+def kv_blocks(spec: BackendSpec, lengths: tuple[int, ...], block_size: int, contexts: tuple[int, ...] = (),
+              budget: int = 0) -> int | None:
     if spec.num_blocks or spec.kv_cache_gb:
         return spec.num_blocks
     tokens = (max(lengths + (WARM_CACHED + WARM_NEW,)) + (spec.max_active + 2) * (DECODE_PREFIX + 64))
     tokens = max(tokens, CONTEXT_BATCH * (max(contexts, default=0) + 64))
+    tokens = max(tokens, (CHUNK_OFFSETS[-1] + 2) * budget + (CONTEXT_BATCH + 1) * (DECODE_PREFIX + 64))
     return 2 * -(-tokens // block_size)
 
 
@@ -88,11 +93,13 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     source = resolve(model)
     spec.max_active = served_max_active(spec, source, block_size)
     config = spec.engine_config(model, block_size)
-    config.num_blocks = kv_blocks(spec, lengths, block_size, contexts)
+    budget = step_tokens(config)
+    config.num_blocks = kv_blocks(spec, lengths, block_size, contexts, budget)
     progress(f"{spec.name}: loading {model} on {spec.device}")
     start = time.perf_counter()
     engine = Engine(config, source)
     ready_s = time.perf_counter() - start
+    budget = getattr(engine.config, "max_step_tokens", None) or budget  # as the engine resolved it
     progress(f"{spec.name}: ready in {ready_s:.1f} s")
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
@@ -101,7 +108,7 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
            "max_active": spec.max_active, "graphs": engine.runner.captured, "compiled": engine.runner.compiled,
            "fused": engine.runner.fused, "overlap": engine.config.overlap,
            "batch_invariant": engine.config.batch_invariant, "ready_s": round(ready_s, 1),
-           "kv_blocks": served_blocks(engine, spec), "prefill": [], "decode": []}
+           "kv_blocks": served_blocks(engine, spec), "max_step_tokens": budget, "prefill": [], "decode": []}
 
     def first_token(prompt: list[int]) -> tuple[float, int]:
         seq = engine.add_request(prompt, _greedy(1))
@@ -147,6 +154,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
             prompts["cold"] = lambda: tokens(REFERENCE_LEN)
         out["mixed"] = mixed_steps(engine, spec.max_active, lambda: prefix + tokens(DECODE_NEW), repeats, prompts,
                                    progress, spec.name)
+    out["chunks"] = chunk_steps(engine, budget, min(spec.max_active - 1, CONTEXT_BATCH),
+                                lambda: prefix + tokens(DECODE_NEW), tokens, repeats, progress, spec.name)
     out.update(choose_rates(out))
     if reference is not None:
         progress(f"{spec.name}: accuracy against float32 on {len(reference.ids)} tokens")
@@ -158,8 +167,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
 
 def context_steps(engine: Engine, spec: BackendSpec, contexts: tuple[int, ...], steps: int, tokens: Tokens,
                   progress: Progress) -> list[dict]:
-    """Decode at chosen depths, as `llama-bench -d DEPTH` measures it: each request's prompt is DEPTH uncached
-    tokens (one for depth 0), then `steps` timed decode steps, at batch 1 and CONTEXT_BATCH (within
+    """Decode at chosen depths, as `llama-bench -d DEPTH` measures it: each request's prompt is DEPTH tokens (one
+    for depth 0), warmed into the cache first so the batch's prompts end in one step, then `steps` timed decode steps, at batch 1 and CONTEXT_BATCH (within
     max_active). `context` is the mean context of the timed steps."""
     rows = []
     for depth in contexts:
@@ -168,7 +177,10 @@ def context_steps(engine: Engine, spec: BackendSpec, contexts: tuple[int, ...], 
             continue
         for b in sorted({1, min(CONTEXT_BATCH, spec.max_active)}):
             progress(f"{spec.name}: decode at depth {depth}, batch {b}")
-            _, times = decode_steps(engine, [tokens(max(depth, 1)) for _ in range(b)], _greedy(steps + 2))
+            prompts = [tokens(max(depth, 1)) for _ in range(b)]
+            for p in prompts:  # cached first: under a step budget their prefills would end steps apart
+                engine.warm(p)
+            _, times = decode_steps(engine, prompts, _greedy(steps + 2))
             ms = _median_ms(times)
             rows.append({"batch": b, "depth": depth, "context": max(depth, 1) + 1 + (steps + 1) // 2,
                          "step_ms": ms, "tok_s": b / ms * 1000})
@@ -199,6 +211,51 @@ def mixed_steps(engine: Engine, batch: int, decoding: Callable[[], list[int]], r
         out.append({"kind": kind, "tokens": min(uncached), "cached": len(ids) - min(uncached), "batch": batch,
                     "ms": _median_ms(times)})
     return out
+
+
+def step_tokens(config) -> int:
+    """The step's token budget the backend runs under: its config's, else the default for its device."""
+    got = getattr(config, "max_step_tokens", None)
+    if got:
+        return got
+    device = torch.device(config.device)
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+    return default_step_tokens(device.type, gib)[0]
+
+
+def chunk_steps(engine: Engine, budget: int, decodes: int, decoding: Callable[[], list[int]], tokens: Tokens,
+                repeats: int, progress: Progress, name: str) -> list[dict]:
+    """The steps a budget runs (eta's `Chunks` prices them): one prefill chunk of budget / CHUNK_SIZES tokens
+    after budget x CHUNK_OFFSETS tokens already in its KV (a prefix warmed into the cache, so the chunk is what
+    the step computes), alone, and at offset 0 also beside `decodes` requests decoding (each chunk then at most
+    budget - decodes: the step stays within the budget). `ms`: from the chunk's admission to its first token."""
+    rows = []
+    sizes = sorted({max(budget // k, 1) for k in CHUNK_SIZES})
+    for offset in sorted({budget * k // BLOCK_SIZE * BLOCK_SIZE for k in CHUNK_OFFSETS}):
+        prefix = tokens(offset)
+        if offset:
+            engine.warm(prefix)
+        for d in (0, decodes) if offset == 0 and decodes > 0 else (0,):
+            for size in sorted({min(n, budget - d) for n in sizes}):
+                if offset + size + 2 >= engine.max_model_len:
+                    continue
+                progress(f"{name}: prefill chunk of {size} after {offset} beside {d} decoding")
+                times = []
+                for _ in range(repeats):
+                    for _ in range(d):
+                        engine.add_request(decoding(), _greedy(4))
+                    if d:
+                        engine.step()
+                    seq = engine.add_request(prefix + tokens(size), _greedy(1))
+                    t = time.perf_counter()
+                    while seq.times.first_token is None:
+                        engine.step()
+                    times.append(time.perf_counter() - t)
+                    while engine.has_unfinished():
+                        engine.step()
+                rows.append({"tokens": size, "offset": offset, "decodes": d,
+                             "context": DECODE_PREFIX + DECODE_NEW + 1, "ms": _median_ms(times)})
+    return rows
 
 
 def device_name(device: torch.device) -> str:

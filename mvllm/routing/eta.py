@@ -12,9 +12,12 @@ which measurement of the profile entry:
   the worker's events, the other backend's load on the host's cores); where the profile decoded at several
   depths (`contexts`), the simulator adds `depth_s` for each token of context the running requests hold
   beyond the decode table's (attention reads every cached token each step: `at_depth`);
-- the prefill of a request admitted into a step: the extra time over a decode step that `mixed` measures
-  (a step admitting one prompt while max_active - 1 decode), else that the lone `prefill` steps measure (warm
-  and cold, interpolated by uncached tokens), else uncached tokens / `prefill_rate` (a hand-written profile);
+- a prefill chunk in a step (a profile with `chunks` rows and the budget it ran under, `max_step_tokens`):
+  `chunk_s`, the extra time over the decode step of the same batch, as the step model below prices it;
+- the prefill of a request admitted whole (a profile without `chunks` rows: made before steps had a budget):
+  the extra time over a decode step that `mixed` measures (a step admitting one prompt while max_active - 1
+  decode), else that the lone `prefill` steps measure (warm and cold, interpolated by uncached tokens), else
+  uncached tokens / `prefill_rate` (a hand-written profile);
 - `serving.request_ms`: the time a request spends outside the backend (HTTP, routing, the pipes, the first
   chunk back); it delays admission and every token, but occupies nothing.
 """
@@ -26,6 +29,64 @@ from heapq import heapify, heappop, heappush, heapreplace
 
 
 @dataclass(slots=True)
+class Chunks:
+    """A prefill chunk's price in a step, fitted from the profile's `chunks` rows: each row is one step that
+    computes `tokens` uncached tokens of one prompt whose first `offset` tokens are in its KV already, beside
+    `decodes` requests decoding, and its `ms` over the decode step of the same batch is the chunk's extra time.
+
+    The model is Vidur's in small: a step's time is the sum of what its tokens cost in the GEMMs, linear in the
+    chunk's tokens, and what its attention reads, the pairs of a query and a key it scores. A chunk of c tokens
+    after o cached ones scores c x (o + c / 2) pairs. The rows at offset 0 give `line(c)`: the chunk alone,
+    linear between the measured sizes (the GEMMs' and the c^2 / 2 pairs' cost together, as measured, so small
+    chunks that a GPU runs at the same speed as larger ones are priced as measured); the rows at larger offsets
+    give `per_pair`, the seconds per pair that the offset adds (c x o more pairs), by least squares through the
+    origin over (c x o, extra - line(c)). A chunk never exceeds the budget the profile measured up to, so
+    nothing is extrapolated past the longest chunk; an offset past the largest measured one follows the pair
+    count, as attention's cost does. Decodes beside the chunk are priced as any decode step (`at_depth`): the
+    rows with decodes fit the same line, their extra over that decode step."""
+
+    sizes: list[tuple[int, float]]  # (chunk tokens, extra seconds at offset 0), sorted
+    per_pair: float = 0.0
+    memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def fit(cls, rows: list[dict], steps: list[float], depth: tuple[float, float]) -> Chunks | None:
+        """`steps`: the decode table (seconds by batch - 1); `depth`: (depth_s, depth_ref) to price the decodes
+        in each row at the context they held (`context`)."""
+        def extra(r: dict) -> float:
+            d = r.get("decodes", 0)
+            base = steps[min(d, len(steps) - 1)]  # the decode step of the row's batch (its decodes + the chunk)
+            if d and depth[0]:
+                base = max(base + depth[0] * d * (r.get("context", depth[1]) - depth[1]), base / 2)
+            return r["ms"] / 1000 - base
+        got = [(r["tokens"], r.get("offset", 0), extra(r)) for r in rows if "ms" in r]
+        sizes = _mean([(c, e) for c, o, e in got if o == 0])
+        if not sizes:
+            return None
+        out = cls(sizes)
+        far = [(c * o, e - out.line(c)) for c, o, e in got if o > 0]
+        den = sum(x * x for x, _ in far)
+        out.per_pair = max(sum(x * y for x, y in far) / den, 0.0) if den else 0.0
+        return out
+
+    def line(self, tokens: int) -> float:
+        got = self.memo.get(tokens)
+        if got is None:
+            pts = self.sizes
+            if len(pts) == 1:
+                got = pts[0][1] * tokens / pts[0][0]
+            else:
+                i = next((i for i in range(1, len(pts) - 1) if tokens < pts[i][0]), len(pts) - 1)
+                (n0, s0), (n1, s1) = pts[i - 1], pts[i]
+                got = s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
+            got = self.memo[tokens] = max(got, 0.0)
+        return got
+
+    def __call__(self, tokens: int, offset: int) -> float:
+        return self.line(tokens) + self.per_pair * tokens * offset
+
+
+@dataclass(slots=True)
 class Timing:
     prefill_rate: float
     step_s: list[float]  # step_s[b - 1]: seconds per decode step with b running requests, host work included
@@ -34,6 +95,8 @@ class Timing:
     overlap: bool = False  # the profile's backend scheduled each step while the one before it ran
     depth_s: float = 0.0  # seconds a step costs per token of context of each running request (0: not profiled)
     depth_ref: float = 0.0  # the mean context at which the decode table (step_s) was measured
+    budget: int | None = None  # max_step_tokens the profile ran under (None: each prompt admitted whole)
+    chunks: Chunks | None = None  # the chunk's price (None: a profile without chunk rows, priced by prefill_s)
     memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -48,8 +111,11 @@ class Timing:
             steps[i] = s if s is not None else steps[i - 1]
         serving = entry.get("serving") or {}
         host = float(serving.get("step_ms", 0.0)) / 1000
+        depth = depth_cost(entry)
+        chunks = Chunks.fit(entry.get("chunks", []), steps, depth) if entry.get("max_step_tokens") else None
         return cls(float(entry["prefill_rate"]), [s + host for s in steps], prefill_points(entry, table),
-                   float(serving.get("request_ms", 0.0)) / 1000, bool(entry.get("overlap")), *depth_cost(entry))
+                   float(serving.get("request_ms", 0.0)) / 1000, bool(entry.get("overlap")), *depth,
+                   entry["max_step_tokens"] if chunks else None, chunks)
 
     @property
     def max_active(self) -> int:
@@ -61,11 +127,26 @@ class Timing:
         step = self.step_s[batch - 1]
         return max(step + self.depth_s * excess, step / 2)
 
+    def chunk_s(self, tokens: int, offset: int) -> float:
+        """Extra seconds a step takes for a prefill chunk of `tokens` tokens after `offset` in the KV: the fitted
+        chunk model, else (a profile without chunk rows, each prompt admitted whole) prefill_s."""
+        return self.chunks(tokens, offset) if self.chunks is not None else self.priced(tokens)
+
     def priced(self, tokens: int) -> float:
-        """prefill_s, remembered per token count: a replay prices the same prompt lengths again and again."""
+        """What a prompt of `tokens` uncached tokens adds to the replay: prefill_s (a prompt admitted whole), or
+        under a budget its chunks (offsets 0, budget, ...; the first budget's pairs of a cached prefix are not
+        priced: the bookings carry no prefix) and the steps after the first that they take (each a batch-1
+        step: the replay runs a request's prefill before the steps of the others); remembered per token count."""
         got = self.memo.get(tokens)
         if got is None:
-            got = self.memo[tokens] = self.prefill_s(tokens)
+            if self.chunks is None or tokens <= 0:
+                got = self.prefill_s(tokens)
+            else:
+                b, got = self.budget, 0.0
+                for start in range(0, tokens, b):
+                    got += self.chunks(min(b, tokens - start), start)
+                got += (-(-tokens // b) - 1) * self.step_s[0]
+            self.memo[tokens] = got
         return got
 
     def prefill_s(self, tokens: int) -> float:

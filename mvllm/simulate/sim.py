@@ -24,6 +24,9 @@ from __future__ import annotations
 import copy
 import heapq
 import json
+import os
+import pickle
+import sys
 from pathlib import Path
 
 from mvllm.backends.spec import BackendSpec, default_backends, parse_backends
@@ -58,6 +61,30 @@ def timings(rates: dict[str, dict], names: list[str]) -> dict[str, Timing]:
                                 "needs a profile made by `mvllm profile`")
         out[name] = timing
     return out
+
+
+def step_budgets(profile: dict, specs: list[BackendSpec]) -> dict[str, int | None]:
+    """Each backend's step budget as the simulator runs it: the profile's max_step_tokens where the profile
+    measured its chunk rows (else None: prompts priced whole, as the engine ran them before steps had a budget).
+    A backend whose spec sets another budget than the one its profile measured under is refused."""
+    out = {}
+    for s in specs:
+        entry = profile["backends"].get(s.name, {})
+        have, want = entry.get("max_step_tokens"), getattr(s, "max_step_tokens", None)
+        if want and have and want != have:
+            raise SimulateError(f"backend {s.name} runs max_step_tokens={want}, its profile was measured under "
+                                f"{have}: profile it again with that budget (`mvllm profile`)")
+        out[s.name] = have if have and entry.get("chunks") else None
+    return out
+
+
+def budget_line(budgets: dict[str, int | None]) -> str | None:
+    """The one line that says which backends' prompts are priced whole (a profile without the chunk rows)."""
+    old = [name for name, b in budgets.items() if b is None]
+    if not old:
+        return None
+    return (f"the profile has no budgeted step rows for {', '.join(old)}: their prompts are priced whole in one "
+            "step, as before steps had a budget (`mvllm profile` again to price chunked prefill)")
 
 
 def kv_blocks(profile: dict, specs: list[BackendSpec]) -> dict[str, int | None]:
@@ -103,6 +130,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     most = {s.name: s.max_active for s in specs}
     rates = rates_as_served(profile, most)
     blocks = kv_blocks(profile, specs)
+    budgets = step_budgets(profile, specs)
     backends = {name: Backend(name, t, KVCache(blocks[name]))
                 for name, t in timings(rates, [s.name for s in specs]).items()}
     router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates,
@@ -121,6 +149,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
         keep.extend(records)
     summary = summarize(records)
     summary["kv_blocks"] = blocks
+    summary["max_step_tokens"] = budgets
     summary["preemptions"] = {name: b.preemptions for name, b in backends.items()}
     return summary
 
@@ -224,7 +253,7 @@ def scaled_steps(profile: dict, ratios: dict[str, float]) -> dict:
         entry = out["backends"][name]
         for step in entry.get("decode", []) + entry.get("contexts", []):
             step["step_ms"] *= ratio
-        for step in entry.get("mixed", []):
+        for step in entry.get("mixed", []) + entry.get("chunks", []):
             step["ms"] *= ratio
     return out
 
@@ -236,17 +265,57 @@ BAND_KEYS = ("makespan", "p95_ttft_ms", "p95_e2el_ms")
 DRIFT = 0.08
 
 
-def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict,
-         believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None) -> dict:
+def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: float, base: dict | None = None,
+         believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None):
     """The same run with every backend's steps `spread` faster and slower than profiled, the router still
     deciding by the profile (or by `believed`): how far the prediction moves within a host's run-to-run drift. A narrow band is
     a firm prediction; a wide one says the load sits at a backend's capacity, where a few percent of step
     time decide whether requests queue. `base`, the run as profiled, lies in it (a tail need not move
-    monotonically with the step time)."""
-    runs = [base] + [run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}), vocab,
-                             believed=believed or profile, built=built, lengths=lengths)
-                           for f in (1 - spread, 1 + spread)]
-    return {"spread": spread, **{k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in BAND_KEYS}}
+    monotonically with the step time). Without `base`: the two runs start at once, each in a process of its
+    own where the host can fork (Linux), and what is returned, called with `base`, waits for them and gives
+    the band (the base run meanwhile runs here: three runs in the time of about one and a half on two cores)."""
+    runs = [later(lambda f=f: run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}),
+                                      vocab, believed=believed or profile, built=built, lengths=lengths))
+            for f in (1 - spread, 1 + spread)]
+
+    def done(base: dict) -> dict:
+        got = [base] + [r() for r in runs]
+        return {"spread": spread, **{k: [min(r[k] for r in got), max(r[k] for r in got)] for k in BAND_KEYS}}
+    return done if base is None else done(base)
+
+
+def later(fn):
+    """fn() in a forked child process where the host forks (Linux), else here and now; returns a function that
+    gives its result (an error in the child is raised here as one line)."""
+    if sys.platform != "linux":
+        got = fn()
+        return lambda: got
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its result back through the pipe, then out without the parent's cleanup
+        try:
+            os.close(r)
+            try:
+                data = pickle.dumps((True, fn()))
+            except BaseException as e:  # noqa: BLE001 (any error goes back as the parent's one line)
+                data = pickle.dumps((False, str(e) or type(e).__name__))
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(0)
+    os.close(w)
+
+    def wait():
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        if not data:
+            raise SimulateError("a band run ended without a result")
+        ok, got = pickle.loads(data)
+        if not ok:
+            raise SimulateError(got)
+        return got
+    return wait
 
 
 def seen(requests: list[wl.Request]) -> Lengths:
@@ -279,9 +348,10 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
             built = wl.build_all(point.workload, vocab, point.model, tokens=False)
         warm = seen(built.requests) if warm_lengths else None
         for policy in policies:
+            pending = band(point, policy, profile, vocab, spread, None, believed, built, warm) if spread > 0 else None
             summary = run_one(point, policy, profile, vocab, believed=believed, built=built, lengths=warm)
-            if spread > 0:
-                summary["band"] = band(point, policy, profile, vocab, spread, summary, believed, built, warm)
+            if pending is not None:
+                summary["band"] = pending(summary)
             summary.update(policy=policy, knob=exp.sweep.knob if exp.sweep else None, value=value, simulated=True,
                            **({"warm_lengths": len(warm.seen)} if warm else {}))
             rows.append(summary)
@@ -291,6 +361,8 @@ def simulate(exp: Experiment, profile: dict, policies: list[str], out: Path | No
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if say is not None:  # after the runs: an error (a profile without step times) stays one line
+            if value == exp.points()[0][0] and (line := budget_line(rows[-1]["max_step_tokens"])):
+                say(line)
             say(("" if value is None else f"{exp.sweep.knob}={value}: ") + wl.selection_line(built.selection))
         if out is not None:
             name = "workload.json" if value is None else f"workload-{exp.sweep.knob}-{value}.json"
