@@ -22,6 +22,8 @@
 #                                    # slo: the load each holds at an SLO, measured (`bench --slo`) from that profile
 #   RUNS=results/capacity/pace bash experiments/h200.sh pace   # the 3x point again (results/capacity/README.md):
 #                                    # the profile (as depth), the prediction, then gpu-only and eta measured
+#   bash experiments/h200.sh budget  # the CPU's step budget: a 1,024-token prompt's TTFT against the decodes' worst
+#                                    # gap per max_step_tokens (experiments/probes/step_budget.py, 8 threads)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
 #                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
@@ -63,7 +65,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != kernel && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != kernel && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -111,6 +113,7 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
           run 120 predict python3 -m mvllm.cli simulate experiments/trace-conversation-3x.toml --profile "$profile" \
               --policy gpu-only,eta --spread 0 --out "$runs/predicted/trace-conversation-3x"
           pbench 330 trace-conversation-3x trace-conversation-3x 1 gpu-only,eta ;;
+    budget) run 150 step-budget python3 experiments/probes/step_budget.py --threads 8 --out "$runs/step-budget-cpu.json" ;;
     slo) rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
          run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
              --policy gpu-only,eta --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 3:5 --tolerance 0.15 ;;
