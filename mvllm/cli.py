@@ -135,7 +135,8 @@ def serve(
     policy: str = typer.Option(None, help=f"One of {POLICY_NAMES}: mixed is the reference router's cost score, "
                                            "eta the predicted finish time, makespan the predicted end of all "
                                            "booked work, split:K the first K requests to the backend named cpu "
-                                           "(default: eta with --profile, else gpu-only)."),
+                                           "(default: with one backend, everything to it; else eta with "
+                                           "--profile, else gpu-only)."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
     max_active: int = typer.Option(None, help="Most running requests per backend (default 4; on CUDA what the "
                                               "KV pool holds of 1,024-token requests, at most 256)."),
