@@ -295,10 +295,21 @@ def simulate(
                          "backends; measure it with `mvllm bench --url`, or profile it as a remote backend")
     exp = ex.load(experiment)
     policies = [ex.check_policy(p.strip()) for p in policy.split(",") if p.strip()] if policy else exp.policies
-    path = Path(profile) if profile else ex.find_profile(exp)  # "auto": the file bench measured, not measured here
+    said = ""
+    try:
+        path = Path(profile) if profile else ex.find_profile(exp)  # "auto": the file bench measured, not here
+    except ex.ExperimentError as e:
+        if exp.profile != "auto":
+            raise
+        path, same = ex.committed_profile(exp)  # the README's commands run on a fresh clone
+        if path is None:
+            raise MvllmError(f"{e}; no committed profile has {exp.model} on backends {exp.backends}"
+                             + (f" (those of {exp.model}: {', '.join(map(str, same))})" if same else "")) from None
+        said = f" (results/{exp.name}/profile.json is not there: a committed one of the same model and backends)"
     if path is None:
         raise MvllmError(f"experiment {exp.name} names no profile; pass --profile (made by `mvllm profile`)")
     data = load_profile(path)
+    console.print(f"profile: {path}, measured on {ex.measured_on(path)}{said}", highlight=False)
     folder = Path(out) if out else Path("results") / exp.name / "simulated"
     if grid:
         from mvllm.simulate.grid import grid as map_grid
