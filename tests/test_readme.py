@@ -55,7 +55,7 @@ def test_every_readme_command_names_a_subcommand_and_flags_that_exist():
 
 def test_the_extraction_sees_continuations_and_options():
     commands = readme_commands()
-    serve = next(c for c in commands if c.startswith("mvllm serve"))
+    serve = next(c for c in commands if c.startswith("mvllm serve") and "--profile" in c)
     assert parts(serve)[1][-3:] == ["--policy", "--routing-log", "--restart-backends"]
     assert parts("mvllm bench x.toml --runs 3 --url=http://h:1")[1] == ["--runs", "--url"]
 
