@@ -309,22 +309,24 @@ def simulate(
     if path is None:
         raise MvllmError(f"experiment {exp.name} names no profile; pass --profile (made by `mvllm profile`)")
     data = load_profile(path)
-    console.print(f"profile: {path}, measured on {ex.measured_on(path)}{said}", highlight=False)
+    used = f"profile: {path}, measured on {ex.measured_on(path)}{said}"  # said once it ran (an error is one line)
     folder = Path(out) if out else Path("results") / exp.name / "simulated"
     if grid:
         from mvllm.simulate.grid import grid as map_grid
 
-        console.print(f"wrote {map_grid(exp, data, folder)} and grid.png", highlight=False)
+        console.print(f"wrote {map_grid(exp, data, folder)} and grid.png\n{used}", highlight=False)
         return
     if slo is not None:
         from mvllm.simulate.capacity import run_capacity
 
         run_capacity(exp, data, policies, folder, slo, slo_share, loads, tolerance, console)
+        console.print(used, highlight=False)
         return
     if not 0 <= spread < 1:
         raise MvllmError(f"--spread must be in [0, 1), not {spread}")
     rows = run(exp, data, policies, folder, spread=spread, warm_lengths=warm_lengths,
                say=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False))
+    console.print(used, highlight=False)
     console.print(table(exp, rows, measured(Path("results") / exp.name)))
     console.print(f"wrote {len(rows)} summaries under {folder}", highlight=False)
     if json_out:

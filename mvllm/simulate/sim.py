@@ -312,7 +312,7 @@ def table(exp: Experiment, rows: list[dict], real: dict[tuple, dict]):
               "err: predicted against measured",
               "TTFT p95: predicted p95 time to first token, ms; meas.: bench's mean of it"]
     if spread:
-        legend.append(f"band: p95 TTFT with every step {100 * spread:.0f}% faster and slower, ms")
+        legend.append(f"band: p95 TTFT with every step ±{100 * spread:.0f}% as long, ms")
     knob = next((r["knob"] for r in rows if r["value"] is not None), None)
     if knob:
         legend.append(f"setting: {knob}")
