@@ -51,16 +51,20 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("remote")
     a = ServerProcess(["--model", MODEL, "--backends", REMOTE], tmp / "a.log").start()
     b = ServerProcess(["--model", MODEL, "--backends", "cpu=cpu/threads=1/max_active=2"], tmp / "b.log").start()
-    a.wait_ready(120)
-    b.wait_ready(120)
-    os.environ["MVLLM_TEST_KEY"] = SECRET  # inherited by the router: sent to remote a, never written anywhere
-    router = ServerProcess(["--model", MODEL, "--backends", f"gpu={a.url}/api_key_env=MVLLM_TEST_KEY,cpu={b.url}",
-                            "--policy", "gpu-only", "--routing-log", str(tmp / "routing.jsonl")],
-                           tmp / "router.log").start()
-    router.wait_ready(60)
-    yield {"a": a, "b": b, "router": router, "tmp": tmp}
-    for s in (router, a, b):
-        s.stop()
+    started = [a, b]
+    try:  # a server that fails to start stops the others
+        a.wait_ready(120)
+        b.wait_ready(120)
+        os.environ["MVLLM_TEST_KEY"] = SECRET  # inherited by the router: sent to remote a, never written anywhere
+        router = ServerProcess(["--model", MODEL, "--backends", f"gpu={a.url}/api_key_env=MVLLM_TEST_KEY,"
+                                f"cpu={b.url}", "--policy", "gpu-only", "--routing-log", str(tmp / "routing.jsonl")],
+                               tmp / "router.log").start()
+        started.insert(0, router)
+        router.wait_ready(60)
+        yield {"a": a, "b": b, "router": router, "tmp": tmp}
+    finally:
+        for s in started:
+            s.stop()
     assert SECRET not in (tmp / "router.log").read_text() + (tmp / "routing.jsonl").read_text()
 
 
