@@ -107,8 +107,7 @@ def table(rows: list[dict], title: str) -> Group:
     requests each backend served in each run, as in the reference experiment's table. Two tables so that each
     fits 80 columns: short headers, their units in the legend below each; runs only where they differ."""
     knob = next((r["knob"] for r in rows if r.get("knob")), None)
-    columns = tuple(c for c in COLUMNS if c[0] != "hit_rate")
-    columns += (GOODPUT,) if any(GOODPUT[0] in r["metrics"] for r in rows) else ()
+    columns = COLUMNS + ((GOODPUT,) if any(GOODPUT[0] in r["metrics"] for r in rows) else ())
     hit = any("hit_rate" in r["metrics"] for r in rows)
     runs = {r["runs"] for r in rows}
     legend = ["mean over runs" + (f" ({next(iter(runs))} each)" if len(runs) == 1 else "") + ", ± standard "
