@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mvllm's CPU backend against llama.cpp on the same CPU, in one call (issue 27): the peer of
+# mvllm's CPU backend against llama.cpp on the same CPU, in one call: the peer of
 # ../shared/tools/cpu-peer (carried as .peer/lcpp.tar.xz: mkdir -p .peer && cp ../shared/tools/cpu-peer/lcpp.tar.xz .peer/)
 # and `mvllm profile` at the same cells, then `python experiments/cpu_peer_table.py OUT` prints mvllm/llama.cpp.
 #   bash experiments/cpu_peer.sh OUT [BACKENDS]        THREADS=1,2 for a smaller machine (default 8,16)

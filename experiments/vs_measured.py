@@ -1,4 +1,4 @@
-"""Regenerates results/simulate/serving.json and results/simulate/vs-measured.json (issue 13, part 2):
+"""Regenerates results/simulate/serving.json and results/simulate/vs-measured.json:
 
     .venv/bin/python experiments/vs_measured.py
 

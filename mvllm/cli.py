@@ -135,7 +135,8 @@ def serve(
     policy: str = typer.Option(None, help=f"One of {POLICY_NAMES}: mixed is the reference router's cost score, "
                                            "eta the predicted finish time, makespan the predicted end of all "
                                            "booked work, split:K the first K requests to the backend named cpu "
-                                           "(default: eta with --profile, else gpu-only)."),
+                                           "(default: with one backend, everything to it; else eta with "
+                                           "--profile, else gpu-only)."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
     max_active: int = typer.Option(None, help="Most running requests per backend (default 4; on CUDA what the "
                                               "KV pool holds of 1,024-token requests, at most 256)."),
@@ -294,25 +295,38 @@ def simulate(
                          "backends; measure it with `mvllm bench --url`, or profile it as a remote backend")
     exp = ex.load(experiment)
     policies = [ex.check_policy(p.strip()) for p in policy.split(",") if p.strip()] if policy else exp.policies
-    path = Path(profile) if profile else ex.find_profile(exp)  # "auto": the file bench measured, not measured here
+    said = ""
+    try:
+        path = Path(profile) if profile else ex.find_profile(exp)  # "auto": the file bench measured, not here
+    except ex.ExperimentError as e:
+        if exp.profile != "auto":
+            raise
+        path, same = ex.committed_profile(exp)  # the README's commands run on a fresh clone
+        if path is None:
+            raise MvllmError(f"{e}; no committed profile has {exp.model} on backends {exp.backends}"
+                             + (f" (those of {exp.model}: {', '.join(map(str, same))})" if same else "")) from None
+        said = f" (results/{exp.name}/profile.json is not there: a committed one of the same model and backends)"
     if path is None:
         raise MvllmError(f"experiment {exp.name} names no profile; pass --profile (made by `mvllm profile`)")
     data = load_profile(path)
+    used = f"profile: {path}, measured on {ex.measured_on(path)}{said}"  # said once it ran (an error is one line)
     folder = Path(out) if out else Path("results") / exp.name / "simulated"
     if grid:
         from mvllm.simulate.grid import grid as map_grid
 
-        console.print(f"wrote {map_grid(exp, data, folder)} and grid.png", highlight=False)
+        console.print(f"wrote {map_grid(exp, data, folder)} and grid.png\n{used}", highlight=False)
         return
     if slo is not None:
         from mvllm.simulate.capacity import run_capacity
 
         run_capacity(exp, data, policies, folder, slo, slo_share, loads, tolerance, console)
+        console.print(used, highlight=False)
         return
     if not 0 <= spread < 1:
         raise MvllmError(f"--spread must be in [0, 1), not {spread}")
     rows = run(exp, data, policies, folder, spread=spread, warm_lengths=warm_lengths,
                say=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False))
+    console.print(used, highlight=False)
     console.print(table(exp, rows, measured(Path("results") / exp.name)))
     console.print(f"wrote {len(rows)} summaries under {folder}", highlight=False)
     if json_out:

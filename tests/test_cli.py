@@ -27,12 +27,17 @@ def test_serve_rejects_bad_input_before_loading_anything():
         assert message in result.output and "Traceback" not in result.output
 
 
-def test_serve_policy_defaults_to_eta_with_a_profile_else_gpu_only():
+def test_serve_policy_defaults_to_the_one_backend_else_eta_with_a_profile_else_gpu_only():
     from mvllm.server.serve import choose_policy
 
     assert choose_policy(None, None) == "gpu-only"
     assert choose_policy(None, "profile.json") == "eta"
     assert choose_policy("mixed", None) == "mixed"
+    assert choose_policy(None, None, ["cpu"]) == "cpu-only"
+    assert choose_policy(None, "profile.json", ["gpu"]) == "gpu-only"
+    assert choose_policy(None, None, ["mine"]) == "round-robin"  # no mine-only: the only backend to turn to
+    assert choose_policy(None, None, ["gpu", "cpu"]) == "gpu-only"
+    assert choose_policy("gpu-only", None, ["cpu"]) == "gpu-only"  # asked for: its error stays
 
 
 def test_serve_warns_once_per_lossy_backend_and_refuses_modes_this_machine_lacks(monkeypatch):

@@ -83,10 +83,11 @@ def test_aggregate_averages_hit_rate_and_goodput_per_backend():
     assert row["metrics"]["backend_hit_rate.cpu"]["mean"] == 0.0
     assert row["metrics"]["hit_rate"]["mean"] == pytest.approx(0.2)
     assert row["metrics"]["request_goodput"]["mean"] == pytest.approx(1.0)
-    out = Console(width=250, record=True)
+    out = Console(width=80, record=True)
     out.print(table([row], "t"))
     text = out.export_text()
-    assert "hit rate" in text and "goodput" in text and "20.0%" in text and "gpu 40.0%" in text
+    assert "prefix cache hit rate" in text and "within every SLO" in text  # the legend
+    assert "20.0" in text and "gpu:40.0" in text and "cpu:0.0" in text and "1.00" in text
     line = run_line("mixed-run1", runs[0] | {"makespan": 1.0})
     assert "prefix hit rate 10.0% (cpu 0.0%, gpu 20.0%)" in line
     assert "goodput 1.00 req/s (2 of 2 within ttft 500 ms)" in line

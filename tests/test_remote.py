@@ -46,20 +46,25 @@ PREFIX = list(range(100, 132))  # 2 full blocks
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Remotes a and b (one CPU worker each, 1 and 2 active) and a router over them: gpu=a, cpu=b, gpu-only."""
+    """Remotes a and b (one CPU worker each, 1 and 2 active; neither names a policy, b's backend is named cpu) and
+    a router over them: gpu=a, cpu=b, gpu-only."""
     tmp = tmp_path_factory.mktemp("remote")
     a = ServerProcess(["--model", MODEL, "--backends", REMOTE], tmp / "a.log").start()
-    b = ServerProcess(["--model", MODEL, "--backends", "gpu=cpu/threads=1/max_active=2"], tmp / "b.log").start()
-    a.wait_ready(120)
-    b.wait_ready(120)
-    os.environ["MVLLM_TEST_KEY"] = SECRET  # inherited by the router: sent to remote a, never written anywhere
-    router = ServerProcess(["--model", MODEL, "--backends", f"gpu={a.url}/api_key_env=MVLLM_TEST_KEY,cpu={b.url}",
-                            "--policy", "gpu-only", "--routing-log", str(tmp / "routing.jsonl")],
-                           tmp / "router.log").start()
-    router.wait_ready(60)
-    yield {"a": a, "b": b, "router": router, "tmp": tmp}
-    for s in (router, a, b):
-        s.stop()
+    b = ServerProcess(["--model", MODEL, "--backends", "cpu=cpu/threads=1/max_active=2"], tmp / "b.log").start()
+    started = [a, b]
+    try:  # a server that fails to start stops the others
+        a.wait_ready(120)
+        b.wait_ready(120)
+        os.environ["MVLLM_TEST_KEY"] = SECRET  # inherited by the router: sent to remote a, never written anywhere
+        router = ServerProcess(["--model", MODEL, "--backends", f"gpu={a.url}/api_key_env=MVLLM_TEST_KEY,"
+                                f"cpu={b.url}", "--policy", "gpu-only", "--routing-log", str(tmp / "routing.jsonl")],
+                               tmp / "router.log").start()
+        started.insert(0, router)
+        router.wait_ready(60)
+        yield {"a": a, "b": b, "router": router, "tmp": tmp}
+    finally:
+        for s in started:
+            s.stop()
     assert SECRET not in (tmp / "router.log").read_text() + (tmp / "routing.jsonl").read_text()
 
 
@@ -126,6 +131,17 @@ def test_relayed_tokens_usage_cache_and_routing_log(servers):
     assert health["status"] == "ok" and health["backends"]["gpu"]["url"] == a.url
     assert health["backends"]["gpu"]["relay"] == "token_ids"
     assert SECRET not in httpx.get(f"{router.url}/v1/backends").text
+
+
+def test_one_backend_serves_without_a_policy_and_a_policy_it_lacks_is_400(servers):
+    b = servers["b"]
+    said = [line for line in (servers["tmp"] / "b.log").read_text().splitlines() if "one backend" in line]
+    assert said == ["mvllm: one backend (cpu): every request goes to it (policy cpu-only; --policy picks another)"]
+    r = httpx.post(f"{b.url}/v1/policy", json={"policy": "gpu-only"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "policy gpu-only needs a backend named 'gpu'; backends are cpu"
+    assert httpx.post(f"{b.url}/v1/policy", json={"policy": "cpu-only"}).json() == {"policy": "cpu-only"}
+    assert greedy(b, [1, 2, 3], 4).backend == "cpu"
 
 
 def test_bad_requests_are_400_and_nothing_reaches_a_remote(servers):

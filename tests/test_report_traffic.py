@@ -110,7 +110,7 @@ def test_report_goodput_is_recomputed_from_the_csv(tmp_path):
         assert run.summary["good_requests"] == good and run.summary["slo"] == slo
         assert run.summary["request_goodput"] == pytest.approx(good / run.summary["duration"])
     md = (tmp_path / "rep" / "summary.md").read_text()
-    assert "goodput (req/s)" in md and "ttft 300 ms, e2el 4000 ms" in md
+    assert "goodput: requests per second within every SLO" in md and "ttft 300 ms, e2el 4000 ms" in md
     assert "goodput" not in (out / "mixed-run1" / "summary.json").read_text()  # measured files stay as they were
 
 

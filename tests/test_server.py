@@ -182,6 +182,7 @@ def test_the_api_process_imports_no_torch(mixed):
     assert "libtorch" not in maps(pid)
 
 
+@pytest.mark.serial  # the two streams' overlap in time: run alone (make test's second pass)
 def test_backends_decode_at_the_same_time(tmp_path):
     server = start(tmp_path, "--policy", "round-robin")
     try:

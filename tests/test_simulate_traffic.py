@@ -282,6 +282,7 @@ def test_the_profile_records_the_pool_a_backend_is_served_with():
         assert served_blocks(Engine(small), spec) == served != 8
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone (make test's second pass)
 def test_a_few_thousand_trace_requests_simulate_in_seconds(tmp_path):
     """Under a second on the 2-core CI machine; the deadline leaves room for a loaded one."""
     exp = experiment(kind="trace", path=str(mooncake(tmp_path / "trace.jsonl", 3000, gap_ms=250)), scale=16)

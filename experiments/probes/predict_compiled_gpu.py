@@ -1,5 +1,5 @@
-"""Issue 13, part 6: the simulator's prediction of paper-8, paper-48 and gpu-serial with the compiled GPU
-backend of issue 11, committed before those experiments are run on it. Added before the same runs (and still
+"""The simulator's prediction of paper-8, paper-48 and gpu-serial with the compiled GPU
+backend (results/compiled-gpu), committed before those experiments are run on it. Added before the same runs (and still
 before any of them): `makespan` and gpu-serial's split:K oracle, sweep-rate at the new GPU's capacity (12, 18
 and 24 req/s for 30 s) and sweep-hit-rate; the first prediction's numbers are unchanged.
 

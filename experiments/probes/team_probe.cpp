@@ -1,4 +1,4 @@
-// What a decode step's layout of threads costs on this host, outside torch (issue 27): a step of qwen2.5-0.5b's
+// What a decode step's layout of threads costs on this host, outside torch: a step of qwen2.5-0.5b's
 // int8 weights (24 layers of four linears, 1.18 / 0.92 / 9.30 / 4.65 MB, and the LM head, 145 MB) read by T threads
 // as the int8 kernel's decode rows read them (each thread its slice of each linear, summed with 64-byte loads),
 // with a serial gap of G us on thread 0 after each linear (the norms, RoPE, attention, allocations and dispatcher

@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import time
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
 from mvllm.bench.metrics import RequestRecord, percentile
 from mvllm.bench.results import BASELINE
-
-COLUMNS = (  # (metric, header, scale, format)
-    ("makespan", "batch\ncompletion s", 1.0, "{:.2f}"),
-    ("output_throughput", "output\ntok/s", 1.0, "{:.1f}"),
-    ("median_ttft_ms", "TTFT\nmedian ms", 1.0, "{:.0f}"),
-    ("p95_ttft_ms", "TTFT\np95 ms", 1.0, "{:.0f}"),
-    ("median_e2el_ms", "E2EL\nmedian s", 1e-3, "{:.2f}"),
-    ("p95_e2el_ms", "E2EL\np95 s", 1e-3, "{:.2f}"),
-    ("hit_rate", "prefix\nhit rate", 100.0, "{:.1f}%"),
+from mvllm.tables import (
+    decimals,
+    name_column,
+    narrow,
+    number_column,
+    pct_change,
+    plus_minus,
+    short,
+    text_column,
 )
-GOODPUT = ("request_goodput", "goodput\nreq/s", 1.0, "{:.2f}")  # a column only where SLOs were given
+
+COLUMNS = (  # (metric, header, scale, decimals, legend)
+    ("makespan", "batch", 1.0, 2, "batch: batch completion time, s"),
+    ("output_throughput", "tok/s", 1.0, 1, "tok/s: output tokens per second"),
+    ("median_ttft_ms", "TTFT\np50", 1.0, 0, "TTFT p50, p95: time to first token, median and p95, ms"),
+    ("p95_ttft_ms", "TTFT\np95", 1.0, 0, ""),
+    ("median_e2el_ms", "E2EL\np50", 1e-3, 2, "E2EL p50, p95: end-to-end latency, s"),
+    ("p95_e2el_ms", "E2EL\np95", 1e-3, 2, ""),
+)
+GOODPUT = ("request_goodput", "good\nreq/s", 1.0, 2, "good req/s: requests per second within every SLO")
 
 
 class RunDisplay:
@@ -75,47 +83,64 @@ def run_line(label: str, s: dict) -> str:
             f"{s['output_throughput'] or 0:.1f} output tok/s; requests per backend: {per}{hits}{good}{failed}")
 
 
-def backend_hits(metrics: dict) -> str:
-    """Each backend's mean hit rate over runs, from the aggregate's backend_hit_rate.NAME metrics."""
+def backend_hits(metrics: dict) -> list[str]:
+    """Each backend's mean hit rate over runs in percent, from the aggregate's backend_hit_rate.NAME metrics."""
     prefix = "backend_hit_rate."
-    return ", ".join(f"{k[len(prefix):]} {percent(m['mean'])}" for k, m in metrics.items()
-                     if k.startswith(prefix)) or "-"
+    return [f"{k[len(prefix):]}:{100 * m['mean']:.1f}" for k, m in metrics.items()
+            if k.startswith(prefix) and m["mean"] is not None]
 
 
-def _cell(metric: dict | None, change: float | None, scale: float, fmt: str) -> str:
+def _cell(metric: dict | None, change: float | None, scale: float, digits: int) -> str:
     if metric is None:
         return "-"
-    text = fmt.format(metric["mean"] * scale)
-    if metric["n"] > 1:
-        text += " ± " + fmt.format(metric["std"] * scale)
+    mean = metric["mean"] * scale
+    d = decimals(mean, digits)  # the std with the mean's decimals
+    text = plus_minus(f"{mean:.{d}f}", f"{metric['std'] * scale:.{d}f}" if metric["n"] > 1 else None)
     if change is not None:
-        text += f"\n{change:+.1f}%"
+        text += "\n" + pct_change(change)
     return text
 
 
-def table(rows: list[dict], title: str) -> Table:
-    """Means over runs (± standard deviation), change against gpu-only in brackets, the prefix hit rate
-    (overall, then per backend; goodput where SLOs were given), and the number of requests each backend
-    served in each run, as in the reference experiment's table."""
+def table(rows: list[dict], title: str) -> Group:
+    """Means over runs (± standard deviation below, then the change against gpu-only; goodput where SLOs were
+    given), then where the requests went: the prefix hit rate (overall, then per backend) and the number of
+    requests each backend served in each run, as in the reference experiment's table. Two tables so that each
+    fits 80 columns: short headers, their units in the legend below each; runs only where they differ."""
     knob = next((r["knob"] for r in rows if r.get("knob")), None)
     columns = COLUMNS + ((GOODPUT,) if any(GOODPUT[0] in r["metrics"] for r in rows) else ())
-    t = Table(title=title, title_justify="left", caption="mean ± standard deviation over runs; change of the "
-              "mean against gpu-only below", caption_justify="left")
+    hit = any("hit_rate" in r["metrics"] for r in rows)
+    runs = {r["runs"] for r in rows}
+    legend = ["mean over runs" + (f" ({next(iter(runs))} each)" if len(runs) == 1 else "") + ", ± standard "
+              "deviation below, then the change of the mean against gpu-only", *(c[4] for c in columns if c[4])]
     if knob:
-        t.add_column(knob)
-    t.add_column("policy")
-    t.add_column("runs", justify="right")
-    for _, header, _, _ in columns:
-        t.add_column(header, justify="right")
-    t.add_column("requests per\nbackend, per run")
+        legend.append(f"{short(knob)}: {knob}")
+    means = narrow(title, "\n".join(legend), show_lines=True)  # rows of several lines: a blank line between
+    where = narrow("where the requests went", "\n".join(
+        (["hit %: prefix cache hit rate (mean over runs), overall then per backend"] if hit else [])
+        + ["requests: requests per backend, one line per run"]), show_lines=True)
+    for t in (means, where):
+        if knob:
+            text_column(t, short(knob))
+        name_column(t, "policy")
+        if len(runs) > 1:
+            number_column(t, "runs")
+    for _, header, _, _, _ in columns:
+        number_column(means, header)
+    if hit:
+        number_column(where, "hit %")
+    text_column(where, "requests")
     for r in rows:
-        cells = [str(r["value"])] if knob else []
-        cells += [r["policy"], str(r["runs"])]
-        for key, _, scale, fmt in columns:
-            change = r["change_vs_gpu_only"].get(key) if r["policy"] != BASELINE and key != "hit_rate" else None
-            cells.append(_cell(r["metrics"].get(key), change, scale, fmt))
-            if key == "hit_rate" and len(hits := backend_hits(r["metrics"])) > 1:
-                cells[-1] += "\n" + hits.replace(", ", "\n")
-        cells.append("\n".join(", ".join(f"{k} {v}" for k, v in b.items()) or "-" for b in r["backend_requests"]))
-        t.add_row(*cells)
-    return t
+        first = ([str(r["value"])] if knob else []) + [r["policy"]] + ([str(r["runs"])] if len(runs) > 1 else [])
+        cells = list(first)
+        for key, _, scale, digits, _ in columns:
+            change = r["change_vs_gpu_only"].get(key) if r["policy"] != BASELINE else None
+            cells.append(_cell(r["metrics"].get(key), change, scale, digits))
+        means.add_row(*cells)
+        cells = list(first)
+        if hit:
+            m = r["metrics"].get("hit_rate")
+            cells.append("-" if m is None else "\n".join([f"{100 * m['mean']:.1f}", *backend_hits(r["metrics"])]))
+        cells.append("\n".join(" ".join(f"{k}:{v}" for k, v in b.items()) or "-" for b in r["backend_requests"]))
+        where.add_row(*cells)
+    return Group(means, where)
+

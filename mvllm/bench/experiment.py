@@ -195,6 +195,49 @@ def find_profile(exp: Experiment, results: Path | None = None,
                           f"folder and to the experiment file)")
 
 
+def measured_on(path: Path) -> str:
+    """Where and when a profile was measured, from its environment: "NVIDIA H200 and Intel(R) Xeon(R) Processor,
+    2026-11-30"."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    env = data.get("environment") or {}
+    machine = " and ".join(x for x in (env.get("gpu"), env.get("cpu_model")) if x) or "an unrecorded machine"
+    return f"{machine}, {str(data.get('created') or env.get('date') or '?')[:10]}"
+
+
+def _backends(text: str) -> set[tuple[str, str]]:
+    """{(name, device)} of a backends string, without checking it against this machine."""
+    from mvllm.backends.spec import split_device
+
+    return {(name.strip(), split_device(rest)[0]) for name, _, rest in (p.partition("=") for p in text.split(","))}
+
+
+def committed_profile(exp: Experiment, results: Path = Path("results")) -> tuple[Path | None, list[Path]]:
+    """For `simulate` where the experiment's own profile (results/<name>/profile.json) is not there: the newest
+    profile of a committed run of it (results/**/<name>/experiment.toml: beside it, or in the folder above),
+    else the newest committed profile of the same model and backends (names and devices); and every committed
+    profile of the same model, for the line that says none fits."""
+    import json
+
+    def read(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    profiles = {p: read(p) for p in sorted(results.glob("**/profile.json"))}
+    same_model = [p for p, d in profiles.items() if d.get("model") == exp.model]
+    runs = [next(q for q in (t.parent / "profile.json", t.parent.parent / "profile.json") if q in profiles)
+            for t in results.glob(f"**/{exp.name}/experiment.toml")
+            if {t.parent / "profile.json", t.parent.parent / "profile.json"} & profiles.keys()]
+    want = _backends(exp.backends) if exp.backends and exp.backends != "default" else None
+    fits = runs or [p for p in same_model if want is not None and want == {
+        (n, b.get("device")) for n, b in (profiles[p].get("backends") or {}).items()}]
+    best = max(fits, key=lambda p: str(profiles[p].get("created", "")), default=None)
+    return best, same_model
+
+
 def load(path: str | Path) -> Experiment:
     path = Path(path)
     if not path.is_file():

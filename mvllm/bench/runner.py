@@ -25,6 +25,7 @@ from mvllm.bench.process import ServerError, ServerProcess
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
 from mvllm.bench.workload import Built, build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
+from mvllm.tables import WIDTH
 
 EXTERNAL = "external"
 
@@ -316,6 +317,6 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
             servers.stop()
     rows = write_aggregate(out)
     if not quiet:
-        Console(width=None if sys.stdout.isatty() else 160).print(table(rows, f"{exp.name}: {exp.model}, means over runs (change against gpu-only)"))
+        Console(width=None if sys.stdout.isatty() else WIDTH).print(table(rows, f"{exp.name}: {exp.model}, means over runs (change against gpu-only)"))
     return rows
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,6 +103,41 @@ def gguf_to_dir(gguf: Path) -> Path:
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UnsupportedModelError(f"could not read {gguf} as a GGUF model: it does not start with GGUF")
+    with _lock(out.with_name(out.name + ".lock")):  # processes starting together (test workers) convert once
+        if (out / "config.json").is_file():
+            return out
+        start = time.monotonic()
+        say(f"mvllm: converting {gguf.name} to safetensors, once (de-quantizing takes a while); cached in {out}")
+        _convert(gguf, out)
+        say(f"mvllm: converted in {time.monotonic() - start:.0f} s; later runs load {out}")
+    return out
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """An exclusive lock between processes (flock; none on Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,7 +163,6 @@ def gguf_to_dir(gguf: Path) -> Path:
     model.generation_config.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     tmp.rename(out)
-    return out
 
 
 def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> Decoder:

@@ -343,19 +343,27 @@ def save_profile(profile: dict, path: str | Path) -> Path:
 def table(profile: dict):
     """Rich tables: one row per backend, then mvllm/transformers ratios where a baseline ran."""
     from rich.console import Group
-    from rich.table import Table
 
-    t = Table(title=f"mvllm profile: {profile['model']}")
+    from mvllm.tables import name_column, narrow, number_column, text_column
+
     serving = any("serving" in b for b in profile["backends"].values())
-    for col in ("backend", "setting", "cold prefill tok/s (length)", "warm ms", "decode ms/step (batch 1..n)",
-                "prefill_rate", "decode_rate", "ready s") + (("serving ms (request, step)",) if serving else ()):
-        t.add_column(col, justify="left" if col in ("backend", "setting") else "right")
-    accuracy = Table(title="accuracy against float32 (mean KL, nats/token)")
-    for col in ("backend", "KL prefill", "KL decode", "top-1", "verdict"):
-        accuracy.add_column(col)
-    ratios = Table(title="mvllm / transformers (above 1: mvllm faster)")
-    ratios.add_column("backend")
-    ratios.add_column("ratios")
+    legend = ["cold: prefill tok/s without a cached prefix (prompt tokens)",
+              "warm: prefill of a prompt whose prefix is cached, ms", "decode: ms per step at batch 1, 2, ...",
+              "prefill rate, decode rate: the rates the router uses, tok/s", "ready: s to load and warm"]
+    if serving:
+        legend.append("serving: ms per request, then per step, through serve")
+    t = narrow(f"mvllm profile: {profile['model']}", "\n".join(legend))
+    name_column(t, "backend")
+    text_column(t, "setting")
+    for col in ("cold", "warm", "decode") + ("prefill\nrate", "decode\nrate", "ready") + (("serving",) if serving else ()):
+        number_column(t, col)
+    accuracy = narrow("accuracy against float32 (mean KL, nats/token)")
+    name_column(accuracy, "backend")
+    for col in ("KL prefill", "KL decode", "top-1", "verdict"):
+        text_column(accuracy, col)
+    ratios = narrow("mvllm / transformers (above 1: mvllm faster)")
+    name_column(ratios, "backend")
+    text_column(ratios, "ratios")
     for name, b in profile["backends"].items():
         pre = b.get("prefill", [])
         cold = " ".join(f"{p['tok_s']:.0f} ({p['tokens']})" for p in pre if p["kind"] == "cold")

@@ -8,18 +8,23 @@ from mvllm.bench.metrics import buckets
 from mvllm.bench.results import BASELINE, aggregate, read_json
 from mvllm.report.load import Results
 from mvllm.report.style import devices
+from mvllm.tables import short
 
-COLUMNS = (  # (metric, header, scale, digits)
-    ("makespan", "batch completion (s)", 1.0, 2),
-    ("output_throughput", "output throughput (tok/s)", 1.0, 1),
-    ("median_ttft_ms", "median TTFT (ms)", 1.0, 0),
-    ("p95_ttft_ms", "p95 TTFT (ms)", 1.0, 0),
-    ("median_e2el_ms", "median E2EL (s)", 1e-3, 2),
-    ("p95_e2el_ms", "p95 E2EL (s)", 1e-3, 2),
-    ("median_tpot_ms", "median TPOT (ms)", 1.0, 1),
-    ("hit_rate", "prefix hit rate (%)", 100.0, 1),
+COLUMNS = (  # (metric, header, scale, digits): short headers, their units in LEGEND below each table
+    ("makespan", "batch", 1.0, 2),
+    ("output_throughput", "tok/s", 1.0, 1),
+    ("median_ttft_ms", "TTFT p50", 1.0, 0),
+    ("p95_ttft_ms", "TTFT p95", 1.0, 0),
+    ("median_e2el_ms", "E2EL p50", 1e-3, 2),
+    ("p95_e2el_ms", "E2EL p95", 1e-3, 2),
+    ("median_tpot_ms", "TPOT p50", 1.0, 1),
+    ("hit_rate", "hit %", 100.0, 1),
 )
-GOODPUT = ("request_goodput", "goodput (req/s)", 1.0, 2)  # a column where SLOs were given
+GOODPUT = ("request_goodput", "goodput", 1.0, 2)  # a column where SLOs were given
+LATENCY = ("median_ttft_ms", "p95_ttft_ms", "median_e2el_ms", "p95_e2el_ms", "median_tpot_ms")
+LEGEND = ("batch: batch completion time, s; tok/s: output tokens per second; TTFT p50, p95: time to first token, "
+          "median and 95th percentile, ms; E2EL: end-to-end latency, s; TPOT p50: median time per output token, "
+          "ms; hit %: prefix cache hit rate")
 NO_CHANGE = ("hit_rate",)  # a change in percent of a percentage reads wrong; the values are beside each other
 
 
@@ -46,6 +51,29 @@ def _hits(rates: dict) -> str:
 def _mean_hits(metrics: dict) -> str:
     """Each backend's mean hit rate over runs (the aggregate's backend_hit_rate.NAME)."""
     return _hits({k.split(".", 1)[1]: m["mean"] for k, m in metrics.items() if k.startswith("backend_hit_rate.")})
+
+
+def _mean(m: dict | None, scale: float, digits: int) -> str:
+    if m is None:
+        return "-"
+    return _fmt(m["mean"], scale, digits) + ("±" + _fmt(m["std"], scale, digits) if m["n"] > 1 else "")
+
+
+def _change(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}"
+
+
+def _table(res: Results, head: list[str], rows: list[dict], cells) -> list[str]:
+    """A markdown table of cells(row) per aggregate row; in a sweep, a row naming each value (suffix tokens =
+    20) above its rows, in the first column, instead of a column of its own: the table stays narrow."""
+    lines = [_row(head), _row(["---"] * len(head))]
+    value = object()
+    for r in rows:
+        if res.knob and r["value"] != value:
+            value = r["value"]
+            lines.append(_row([f"**{short(res.knob)} = {value}**"] + [""] * (len(head) - 1)))
+        lines.append(_row(cells(r)))
+    return lines
 
 
 def _selection(res: Results) -> dict:
@@ -93,10 +121,11 @@ def _buckets(res: Results) -> list[str]:
               for v in res.values for p in res.policies if res.select(p, v)}
     if all(len(b) <= 1 for b in groups.values()):
         return []
-    head = ([res.knob] if res.knob else []) + ["policy", "prompt tokens", "requests", "median TTFT (ms)",
-                                               "p95 TTFT (ms)", "median E2EL (s)", "p95 E2EL (s)"]
+    head = ([short(res.knob)] if res.knob else []) + ["policy", "prompt tokens", "requests", "TTFT p50",
+                                                      "TTFT p95", "E2EL p50", "E2EL p95"]
     lines = ["", "## Latency by prompt length", "", "Every run's completed requests pooled per policy; buckets "
-             "of prompt tokens at powers of 4.", "", _row(head), _row(["---"] * len(head))]
+             "of prompt tokens at powers of 4; TTFT in ms, E2EL (end-to-end latency) in s.", "", _row(head),
+             _row(["---"] * len(head))]
     for (v, p), bs in groups.items():
         lines += [_row(([v] if res.knob else []) + [p, b["prompt_tokens"], b["count"], f"{b['median_ttft_ms']:.0f}",
                         f"{b['p95_ttft_ms']:.0f}", f"{b['median_e2el_ms'] / 1e3:.2f}",
@@ -160,43 +189,41 @@ def markdown(res: Results, charts: list[Path], notes: list[str], oracles: list[d
                      "TPOT counts as 0, as in vLLM)" + (": the runs differ in their SLOs" if len(slos) > 1 else ""))
     if res.knob:
         lines.append(f"- sweep: `{res.knob}` over {', '.join(map(str, res.values))}")
-    lines += ["", "## Means over runs", "",
-              "Mean ± standard deviation over runs; in brackets the change of the mean against gpu-only.", ""]
     columns = COLUMNS + ((GOODPUT,) if slos else ())
-    head = ([res.knob] if res.knob else []) + ["policy", "runs"] + [c[1] for c in columns] + [
-        "hit rate per backend", "requests per backend"]
-    lines += [_row(head), _row(["---"] * len(head))]
-    for r in aggregate([x.summary for x in res.runs]):
-        cells = [r["value"]] if res.knob else []
-        cells += [r["policy"], r["runs"]]
-        for key, _, scale, digits in columns:
-            m = r["metrics"].get(key)
-            if m is None:
-                cells.append("-")
-                continue
-            text = _fmt(m["mean"], scale, digits)
-            if m["n"] > 1:
-                text += " ± " + _fmt(m["std"], scale, digits)
-            ch = r["change_vs_gpu_only"].get(key)
-            if ch is not None and r["policy"] != BASELINE and key not in NO_CHANGE:
-                text += f" ({ch:+.1f}%)"
-            cells.append(text)
-        cells.append(_mean_hits(r["metrics"]))
-        cells.append("; ".join(_counts(b) for b in r["backend_requests"]))
-        lines.append(_row(cells))
+    legend = LEGEND + ("; goodput: requests per second within every SLO" if slos else "") + "."
+    rows = aggregate([x.summary for x in res.runs])
+    runs = sorted({r["runs"] for r in rows})
+    many = len(runs) > 1
+    lines += ["", "## Means over runs", "",
+              "Mean ± standard deviation over runs" + ("." if many else f" ({runs[0]} each)."), ""]
+    changed = [r for r in rows if r["policy"] != BASELINE and r["change_vs_gpu_only"]]
+    for part in (LATENCY, tuple(c[0] for c in columns if c[0] not in LATENCY)):  # two of each: they fit 80 columns
+        shown = [c for c in columns if c[0] in part]
+        lines += _table(res, ["policy"] + (["runs"] if many else []) + [c[1] for c in shown], rows,
+                        lambda r, shown=shown: [r["policy"]] + ([r["runs"]] if many else [])
+                        + [_mean(r["metrics"].get(key), scale, digits) for key, _, scale, digits in shown])
+        shown = [c for c in shown if c[0] not in NO_CHANGE]
+        if changed:
+            lines += ["", "Change of the mean against gpu-only, %:", ""]
+            lines += _table(res, ["policy"] + [c[1] for c in shown], changed,
+                            lambda r, shown=shown: [r["policy"]] + [_change(r["change_vs_gpu_only"].get(k))
+                                                                    for k, *_ in shown])
+        lines.append("")
+    lines += [legend, "", "### Where the requests went", ""]
+    lines += _table(res, ["policy", "hit rate per backend", "requests per backend, per run"], rows,
+                    lambda r: [r["policy"], _mean_hits(r["metrics"]), "; ".join(_counts(b) for b in r["backend_requests"])])
     if oracles:
         lines += _oracle(res, oracles)
     lines += _buckets(res)
     lines += ["", "## Every run", ""]
-    head = ["run", "completed", "failed"] + [c[1] for c in columns] + ["hit rate per backend",
-                                                                      "requests per backend", "cached tokens"]
+    head = ["run", "done", "failed"] + [c[1] for c in columns]
     lines += [_row(head), _row(["---"] * len(head))]
-    for run in res.runs:
-        x = run.summary
-        lines.append(_row([x.get("run_id"), x.get("completed"), x.get("failed")]
-                          + [_fmt(x.get(k), sc, d) for k, _, sc, d in columns]
-                          + [_hits(x.get("backend_hit_rate") or {}), _counts(x.get("backend_requests", {})),
-                             _counts(x.get("backend_cached_tokens", {}))]))
+    lines += [_row([x.get("run_id"), x.get("completed"), x.get("failed")]
+                   + [_fmt(x.get(k), sc, d) for k, _, sc, d in columns]) for x in (run.summary for run in res.runs)]
+    lines += ["", legend, "", _row(["run", "hit rate per backend", "requests per backend", "cached tokens"]),
+              _row(["---"] * 4)]
+    lines += [_row([x.get("run_id"), _hits(x.get("backend_hit_rate") or {}), _counts(x.get("backend_requests", {})),
+                    _counts(x.get("backend_cached_tokens", {}))]) for x in (run.summary for run in res.runs)]
     failed = [(run.summary.get("run_id"), e) for run in res.runs for e in run.requests["error"] if e]
     if failed:
         lines += ["", f"## Failed requests ({len(failed)})", ""]

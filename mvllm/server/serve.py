@@ -13,6 +13,7 @@ from mvllm.engine.modes import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
 from mvllm.model.tokenizer import Tokenizer
+from mvllm.routing.policies.registry import is_known
 from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
 from mvllm.server.app import build_app
@@ -48,10 +49,16 @@ def lossy_warnings(specs: list[BackendSpec]) -> list[str]:
             "against float32 on SmolLM2; the default CPU mode is accurate)" for s in specs if s.quant in LOSSY]
 
 
-def choose_policy(policy: str | None, profile: str | None) -> str:
-    """Without --policy: eta where a profile gives it the backends' speeds, else everything to the gpu
-    backend. On the H200, eta never lost to gpu-only and the reference's mixed did (results/README.md)."""
-    return policy or ("eta" if profile else "gpu-only")
+def choose_policy(policy: str | None, profile: str | None, backends: list[str] | None = None) -> str:
+    """Without --policy: everything to the one backend where there is one (NAME-only where the registry has
+    it, else round-robin, which has only it to turn to); else eta where a profile gives it the backends' speeds,
+    else everything to the gpu backend. On the H200, eta never lost to gpu-only and the reference's mixed did
+    (results/README.md)."""
+    if policy:
+        return policy
+    if backends is not None and len(backends) == 1:
+        return f"{backends[0]}-only" if is_known(f"{backends[0]}-only") else "round-robin"
+    return "eta" if profile else "gpu-only"
 
 
 def serve(model: str, backends: str | None, policy: str | None, profile: str | None, max_active: int | None, host: str,
@@ -64,7 +71,11 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
     for line in lossy_warnings(specs):
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False)
-    policy = choose_policy(policy, profile)
+    chosen = choose_policy(policy, profile, [s.name for s in specs])
+    if policy is None and len(specs) == 1:
+        console.print(f"mvllm: one backend ({specs[0].name}): every request goes to it (policy {chosen}; "
+                      "--policy picks another)", highlight=False)
+    policy = chosen
     router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log)
     prefix = read_prefix(warm_prefix)
     source = resolve(model)

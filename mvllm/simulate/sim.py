@@ -376,28 +376,39 @@ def measured(folder: Path) -> dict[tuple, dict]:
 
 
 def table(exp: Experiment, rows: list[dict], real: dict[tuple, dict]):
-    from rich.table import Table
+    """Predicted against measured (where bench has run it), 80 columns wide: short headers, a legend below."""
+    from mvllm.tables import decimals, name_column, narrow, number_column, text_column
 
-    t = Table(title=f"mvllm simulate: {exp.name} (predicted; measured where bench has run it)")
     spread = next((r["band"]["spread"] for r in rows if "band" in r), None)
-    cols = ["policy", "setting", "batch completion s", "measured s", "error", "p95 TTFT ms", "measured ms",
-            "requests per backend"]
+    legend = ["batch: predicted batch completion time, s; meas.: bench's mean of it",
+              "err: predicted against measured",
+              "TTFT p95: predicted p95 time to first token, ms; meas.: bench's mean of it"]
     if spread:
-        cols.insert(6, f"p95 TTFT at ±{100 * spread:.0f}% steps")
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("policy", "setting", "requests per backend") else "right")
+        legend.append(f"band: p95 TTFT with every step ±{100 * spread:.0f}% as long, ms")
+    knob = next((r["knob"] for r in rows if r["value"] is not None), None)
+    if knob:
+        legend.append(f"setting: {knob}")
+    legend.append("requests: per backend")
     unbounded = sorted({b for r in rows for b, n in r.get("kv_blocks", {}).items() if n is None})
     if unbounded:
-        t.caption = f"prefix cache without bound for {', '.join(unbounded)}: the profile has no kv_blocks"
+        legend.append(f"prefix cache without bound for {', '.join(unbounded)}: the profile has no kv_blocks")
+    t = narrow(f"mvllm simulate: {exp.name} (predicted; measured where bench has run it)", "\n".join(legend))
+    name_column(t, "policy")
+    if knob:
+        text_column(t, "setting")
+    for col in ("batch", "meas.", "err", "TTFT\np95", "meas.") + (("band",) if spread else ()):
+        number_column(t, col)
+    text_column(t, "requests")
     for r in rows:
         m = real.get((r["policy"], r["value"]))
         mk = m["makespan"]["mean"] if m else None
-        cells = [r["policy"], "" if r["value"] is None else f"{r['knob']}={r['value']}", f"{r['makespan']:.2f}",
-                 f"{mk:.2f}" if mk else "-", f"{100 * (r['makespan'] / mk - 1):+.1f}%" if mk else "-",
-                 f"{r['p95_ttft_ms']:.0f}", f"{m['p95_ttft_ms']['mean']:.0f}" if m else "-",
-                 ", ".join(f"{k} {v}" for k, v in r["backend_requests"].items())]
+        cells = [r["policy"]] + ([str(r["value"])] if knob else []) + [
+            f"{r['makespan']:.{decimals(r['makespan'], 2)}f}", f"{mk:.{decimals(mk, 2)}f}" if mk else "-",
+            f"{100 * (r['makespan'] / mk - 1):+.1f}%" if mk else "-",
+            f"{r['p95_ttft_ms']:.0f}", f"{m['p95_ttft_ms']['mean']:.0f}" if m else "-"]
         if spread:
             lo, hi = r["band"]["p95_ttft_ms"]
-            cells.insert(6, f"{lo:.0f}-{hi:.0f}")
+            cells.append(f"{lo:.0f} - {hi:.0f}")
+        cells.append(" ".join(f"{k}:{v}" for k, v in r["backend_requests"].items()))
         t.add_row(*cells)
     return t
