@@ -158,7 +158,8 @@ def experiments_in(root: Path) -> list[Path]:
 
 
 META = ("run", "value", "max_active", "start_time")
-PER_BACKEND = ("backend_hit_rate",)  # aggregated per backend, as "backend_hit_rate.gpu"
+PER_BACKEND = ("backend_hit_rate", "backend_p99_itl_ms", "backend_max_itl_ms")  # aggregated per backend, as
+# "backend_hit_rate.gpu"
 
 
 def _numeric(s: dict) -> dict[str, float]:

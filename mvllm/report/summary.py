@@ -48,6 +48,12 @@ def _hits(rates: dict) -> str:
     return ", ".join(f"{k} {'-' if v is None else _pct(v)}" for k, v in rates.items()) or "-"
 
 
+def _per_backend(metrics: dict, name: str, digits: int = 0) -> str:
+    """Each backend's mean over runs of a per-backend metric (the aggregate's NAME.BACKEND)."""
+    got = {k.split(".", 1)[1]: m["mean"] for k, m in metrics.items() if k.startswith(name + ".")}
+    return ", ".join(f"{b} {v:.{digits}f}" for b, v in got.items()) or "-"
+
+
 def _mean_hits(metrics: dict) -> str:
     """Each backend's mean hit rate over runs (the aggregate's backend_hit_rate.NAME)."""
     return _hits({k.split(".", 1)[1]: m["mean"] for k, m in metrics.items() if k.startswith("backend_hit_rate.")})
@@ -209,6 +215,13 @@ def markdown(res: Results, charts: list[Path], notes: list[str], oracles: list[d
                             lambda r, shown=shown: [r["policy"]] + [_change(r["change_vs_gpu_only"].get(k))
                                                                     for k, *_ in shown])
         lines.append("")
+    if any(k.startswith("backend_max_itl_ms.") for r in rows for k in r["metrics"]):
+        lines += _table(res, ["policy", "ITL p99 per backend", "worst gap per backend"], rows,
+                        lambda r: [r["policy"], _per_backend(r["metrics"], "backend_p99_itl_ms"),
+                                   _per_backend(r["metrics"], "backend_max_itl_ms")])
+        lines += ["", "ITL p99, worst gap: the 99th percentile and the longest of the gaps between two chunks of one "
+                  "request, by the backend that served it, ms (a long prompt's prefill shows here in the requests "
+                  "decoding beside it).", ""]
     lines += [legend, "", "### Where the requests went", ""]
     lines += _table(res, ["policy", "hit rate per backend", "requests per backend, per run"], rows,
                     lambda r: [r["policy"], _mean_hits(r["metrics"]), "; ".join(_counts(b) for b in r["backend_requests"])])
