@@ -10,9 +10,10 @@ from __future__ import annotations
 from heapq import heappop
 
 from mvllm.routing.eta import Queued, Timing
-from mvllm.routing.policies.eta import Eta
+from mvllm.routing.policies.eta import ETA_MARGIN, Eta
 
 HEADROOM = 0.1  # a backend "meets" first only with its predicted TTFT and E2E this far inside their bounds
+LIGHT = 0.25  # the GPU is "light" while its predicted TTFT is within this share of the bound
 
 
 def first_token(timing: Timing, q: Queued, prefill: int) -> tuple[float, int]:
@@ -36,8 +37,8 @@ def idle_misses(timing: Timing, slo: dict[str, float]) -> list[str]:
 
 class Slo(Eta):
     """For each backend, eta's replay of its queue (the router's length estimates) predicts this request's
-    TTFT (its wait for a slot, prefill and first step), TPOT (the step of the batch it joins, context depth
-    included, which the running requests there then get too) and E2E (eta's finish). Then:
+    TTFT (its wait for a slot, prefill and first step), TPOT (the mean step from its first token to its finish,
+    as the replay runs the batch it joins down, context depth included) and E2E (eta's finish). Then:
     1. among the backends that meet every bound with HEADROOM to spare, eta's rule (the home backend unless
        another finishes the request more than eta's margin sooner);
     2. else among those that meet them at all, eta's rule;
@@ -60,7 +61,7 @@ class Slo(Eta):
         slo = self.slo
         ttft, tpot, e2el = (slo.get(k, float("inf")) / 1000 for k in ("ttft_ms", "tpot_ms", "e2el_ms"))
         keep = 1 - HEADROOM
-        fits, close = [], []
+        light, fits, close = [], [], []
         for b in alive:
             c, timing = candidates[b], self.router.timings[b]
             booked = list(self.router.bookings[b].values())
@@ -74,7 +75,14 @@ class Slo(Eta):
                 close.append(b)
                 if first <= ttft * keep and c.eta <= e2el * keep:
                     fits.append(b)
-        for group in (fits, close):
+                    if first <= ttft * LIGHT:
+                        light.append(b)
+        home = max(alive, key=lambda b: candidates[b].decode_rate)
+        floor = candidates[home].decode_rate * (1 - ETA_MARGIN)
+        fast = {b for b in alive if candidates[b].decode_rate >= floor}
+        if fast & set(light):
+            return super().choose(light, candidates, request)
+        for group in ([b for b in fits if b not in fast], fits, close):
             if group:
                 return super().choose(group, candidates, request)
         lost = [b for b in alive if b in self.useless]
