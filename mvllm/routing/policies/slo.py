@@ -66,11 +66,16 @@ class Slo(Eta):
             c, timing = candidates[b], self.router.timings[b]
             booked = list(self.router.bookings[b].values())
             q = self.router.queued(b, booked)
-            first, batch = first_token(timing, q, request.prompt_tokens - c.cached_prefix)
+            uncached = request.prompt_tokens - c.cached_prefix
+            first, batch = first_token(timing, q, uncached)
             step = timing.step_s[batch - 1]
             if timing.depth_s:
                 held = sum(x.prompt_tokens + x.generated for x in booked if x.active)
                 step = timing.at_depth(batch, held + request.prompt_tokens - batch * timing.depth_ref)
+            if booked:  # its prefill stalls every request booked there: the shortest's TPOT gains the most
+                shortest = min(x.generated + x.left for x in booked)
+                step = max(step, timing.step_s[min(len(booked), timing.max_active) - 1]
+                           + timing.priced(uncached) / max(shortest - 1, 1))
             if step <= tpot and first <= ttft and c.eta <= e2el:
                 close.append(b)
                 if first <= ttft * keep and c.eta <= e2el * keep:
