@@ -15,9 +15,10 @@ The best static share is an oracle: share:P for P on a grid (0 to 1 by 0.1, then
 and a load meets if any P meets it there, found by the same bisection: the capacity of the best P, picked knowing
 the load.
 
-    python experiments/slo_table.py [--only NAME,...] [--tolerance 0.02]
+    python experiments/slo_table.py [--only NAME,...] [--tolerance 0.02] [--table]
 
-Writes results/slo/table.json (every search's points) and prints the table as markdown.
+Writes results/slo/table.json (every search's points; --only replaces those cells' rows) and prints the table as
+markdown (--table: only that, from the file).
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def main() -> int:
                                    "trace)")
     ap.add_argument("--tolerance", type=float, default=0.02)
     ap.add_argument("--out", default=str(ROOT.parent / "results/slo/table.json"))
+    ap.add_argument("--table", action="store_true", help="only print the table of --out as markdown")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(json.loads(Path(args.out).read_text())["rows"]))
+        return 0
     todo = [c for c in cells() if not args.only or c["name"] in args.only.split(",")]
     console = Console()
     path = Path(args.out)
@@ -180,12 +185,12 @@ def verdict(row: dict, tol: float) -> str:
         return "no capacity found"
     miss = []
     if s < max(g, m):
-        miss.append("below " + ("mixed" if m > g else "gpu-only"))
+        miss.append(f"{100 * (s / max(g, m) - 1):+.1f}% against " + ("mixed" if m > g else "gpu-only"))
     if s < 0.95 * b:
-        miss.append("over 5% below the best share")
+        miss.append(f"{100 * (s / b - 1):+.1f}% against the best share")
     if b > g * (1 + tol) and s <= g:
         miss.append("not above gpu-only")
-    return "; ".join(miss) or "met"
+    return "missed: " + "; ".join(miss) if miss else "met"
 
 
 def line(row: dict) -> str:
