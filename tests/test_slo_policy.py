@@ -103,3 +103,18 @@ def test_serve_target_slo_picks_slo_and_refuses_bad_input_in_one_line():
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output
     assert parse_slo(["ttft:2000 tpot:100"]) == LOOSE
+
+
+def test_slo_keeps_a_prefill_off_a_backend_where_it_would_stall_a_short_request_past_the_tpot_bound():
+    from mvllm.routing.cost import Booking
+
+    def place(short: bool) -> str:
+        r = m2_router()
+        for i in range(8):  # the GPU queues: its TTFT is past a quarter of the bound
+            r.bookings["gpu"][f"g{i}"] = Booking(f"g{i}", 516, 496, 128)
+        if short:  # 10 tokens to make: the new prompt's 1.4 s CPU prefill adds 150 ms to each of its steps
+            r.bookings["cpu"]["s"] = Booking("s", 516, 496, 10, active=True)
+        r.replayed.clear()
+        return r.route("new", 116, 128, {"gpu": 16, "cpu": 16})
+
+    assert place(short=False) == "cpu" and place(short=True) == "gpu"
