@@ -134,9 +134,10 @@ def serve(
                                             f"OpenAI-compatible server {DEFAULT_BACKENDS}."),
     policy: str = typer.Option(None, help=f"One of {POLICY_NAMES}: mixed is the reference router's cost score, "
                                            "eta the predicted finish time, makespan the predicted end of all "
-                                           "booked work, split:K the first K requests to the backend named cpu "
-                                           "(default: with one backend, everything to it; else eta with "
-                                           "--profile, else gpu-only)."),
+                                           "booked work, split:K the first K requests to the backend named cpu, "
+                                           "share:P a fraction P of them, slo the backend meeting --target-slo "
+                                           "(default: with one backend, everything to it; else slo with --profile "
+                                           "and --target-slo, eta with --profile, else gpu-only)."),
     profile: str = typer.Option(None, help="Profile JSON from `mvllm profile` (the rates mixed and eta need)."),
     max_active: int = typer.Option(None, help="Most running requests per backend (default 4; on CUDA what the "
                                               "KV pool holds of 1,024-token requests, at most 256)."),
@@ -150,6 +151,8 @@ def serve(
                                                     "finish before aborting them (a second signal: at once)."),
     restart_backends: bool = typer.Option(False, help="Respawn a backend whose worker dies, warm it again and "
                                                       "route to it again."),
+    target_slo: str = typer.Option(None, help="The SLO to route by, in --slo's form (e.g. \"ttft:2000 tpot:100\", "
+                                              "ms): with --profile the default policy is then slo."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
     from mvllm.server.serve import serve as run
@@ -157,7 +160,7 @@ def serve(
     if shutdown_timeout < 0:
         raise MvllmError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout:g}")
     run(model, backends, policy, profile, max_active, host, port, routing_log, warm_prefix,
-        ready_timeout, shutdown_timeout, restart_backends)
+        ready_timeout, shutdown_timeout, restart_backends, target_slo)
 
 
 # the capacity search's options, the same for bench and simulate

@@ -67,7 +67,9 @@ def test_policy_switch_and_unknown_policy(server):
         r = httpx.post(f"{server.url}/v1/policy", json={"policy": "cpu-only"})
         assert r.status_code == 200 and r.json() == {"policy": "cpu-only"}
         assert _cached(server, [5, 6, 7])[0] == "cpu"
-        for bad in ({"policy": "fastest"}, {"policy": "mixed"}, {"policy": "split:-1"}, {}):
+        for bad in ({"policy": "fastest"}, {"policy": "mixed"}, {"policy": "split:-1"}, {},
+                    {"policy": "gpu-only", "slo": "ttft:500"}, {"policy": "slo", "slo": "ttft:abc"},
+                    {"policy": "slo", "slo": "ttft:0"}, {"policy": "slo"}):
             r = httpx.post(f"{server.url}/v1/policy", json=bad)
             assert r.status_code == 400 and r.json()["error"]["message"], bad
         assert _cached(server, [5, 6, 7])[0] == "cpu"  # a refused switch changes nothing

@@ -26,6 +26,7 @@ from mvllm.bench.results import run_id, write_aggregate, write_json, write_reque
 from mvllm.bench.workload import Built, build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
 from mvllm.tables import WIDTH
+from mvllm.routing.policies.registry import uses_slo
 
 EXTERNAL = "external"
 
@@ -110,9 +111,16 @@ def check_profile(exp: Experiment, policies: list[str], profile: Path | None) ->
                                       "(bench measures it) or a profile made by `mvllm profile`")
 
 
+def slo_text(slo: dict[str, float]) -> str:
+    """{"ttft_ms": 2000.0, ...} as --slo's form, "ttft:2000 ..."."""
+    return " ".join(f"{k.removesuffix('_ms')}:{v:g}" for k, v in slo.items())
+
+
 def server_args(exp: Experiment, policy: str, profile: Path | None, routing_log: Path) -> list[str]:
     args = ["--model", exp.model, "--backends", backend_text(exp), "--policy", policy,
             "--routing-log", str(routing_log)]
+    if uses_slo(policy) and exp.goodput:
+        args += ["--target-slo", slo_text(exp.goodput)]
     if profile is not None:
         args += ["--profile", str(profile)]
     if exp.max_active is not None:
@@ -148,7 +156,7 @@ class Servers:
         else:
             key = (exp.model, backend_text(exp), exp.max_active)
             if key == self.key and self.server is not None:
-                self._reset(policy)
+                self._reset(policy, exp.goodput if uses_slo(policy) else None)
                 return self.server, self.log
             self.stop()
             self.count += 1
@@ -161,8 +169,9 @@ class Servers:
         self.server.wait_ready(exp.ready_timeout)
         return self.server, self.log
 
-    def _reset(self, policy: str) -> None:
-        for path, body in (("/reset_prefix_cache", None), ("/v1/policy", {"policy": policy})):
+    def _reset(self, policy: str, slo: dict | None = None) -> None:
+        choice = {"policy": policy, **({"slo": slo_text(slo)} if slo else {})}
+        for path, body in (("/reset_prefix_cache", None), ("/v1/policy", choice)):
             r = httpx.post(self.server.url + path, json=body, timeout=120.0)
             if r.status_code != 200:
                 raise ServerError(f"POST {path} failed: HTTP {r.status_code}: {r.text[:300]}")

@@ -35,14 +35,16 @@ def own_hook(policy: Policy, name: str):
 
 class Router:
     def __init__(self, backends: list[str], policy: str, rates: dict[str, dict] | None = None,
-                 log_path: str | Path | None = None, lengths: Lengths | None = None):
+                 log_path: str | Path | None = None, lengths: Lengths | None = None,
+                 slo: dict[str, float] | None = None):
         self.backends = list(backends)
+        self.target_slo = slo  # the SLO a policy that routes by one gets where set_policy is given none
         self.rates = rates or {}
         self.seen_before = lengths
         self.timings = {b: Timing.from_profile(r) for b, r in self.rates.items() if "prefill_rate" in r}
         self.bookings: dict[str, dict[str, Booking]] = {b: {} for b in self.backends}
         self.replayed: dict[str, tuple] = {}  # backend -> its bookings replayed by eta's model (`queued`)
-        self.set_policy(policy)
+        self.set_policy(policy, slo)
         self.alive = {b: True for b in self.backends}
         self.decisions = {b: 0 for b in self.backends}
         self.estimated: set[str] = set()  # backends whose cached prefix is a shadow estimate (remote servers)
@@ -51,12 +53,20 @@ class Router:
         self.stale = {b: 0 for b in self.backends}  # admissions that found less cached than was booked
         self.log: IO[str] | None = open(log_path, "a", buffering=1) if log_path else None
 
-    def set_policy(self, text: str) -> None:
+    def set_policy(self, text: str, slo: dict[str, float] | None = None) -> None:
         """Route new requests by this policy, a fresh one with fresh state (split:K counts from zero again,
         new-token-ratio starts at its first ratio, sglang-cache remembers sending nothing), and the length
         estimate starts from what the router was given (`lengths`: requests seen before it; else nothing: the
-        caps) and learns again, so each benchmark run on a shared server starts as on a fresh one."""
+        caps) and learns again, so each benchmark run on a shared server starts as on a fresh one. `slo`: the
+        SLO of a policy that routes by one (default: the router's target_slo); refused by any other policy."""
         policy = make_policy(text, self.backends)
+        if policy.uses_slo:
+            policy.slo = slo or self.target_slo
+            if not policy.slo:
+                raise InvalidRequestError(f"policy {text} needs an SLO: serve's --target-slo, the experiment's "
+                                          "goodput table, or --slo's search (e.g. \"ttft:2000 tpot:100\")", "slo")
+        elif slo:
+            raise InvalidRequestError(f"policy {text} does not route by an SLO; the SLO-aware one is slo", "slo")
         if policy.needs_rates:
             missing = [b for b in self.backends if not {"prefill_rate", "decode_rate"} <= set(self.rates.get(b, {}))]
             if missing:

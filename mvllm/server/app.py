@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mvllm.bench.metrics import SloError, parse_slo
 from mvllm.engine.params import SamplingParams, check_budget, check_prompt
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.model.tokenizer import Tokenizer
@@ -164,7 +165,13 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
     @app.post("/v1/policy")
     async def policy(body: PolicyRequest):
         """Route new requests by another policy (bench does this between runs on one server)."""
-        cluster.router.set_policy(body.policy)
+        try:
+            slo = parse_slo([body.slo], "slo") if body.slo is not None else None
+        except SloError as e:
+            raise InvalidRequestError(str(e), "slo") from None
+        if body.slo is not None and not slo:
+            raise InvalidRequestError("slo names no bound; e.g. \"ttft:2000 tpot:100\"", "slo")
+        cluster.router.set_policy(body.policy, slo)
         return {"policy": cluster.router.policy.name}
 
     return app

@@ -73,6 +73,7 @@ class WarmRequest(BaseModel):
 
 class PolicyRequest(BaseModel):
     policy: str
+    slo: str | None = None  # e.g. "ttft:2000 tpot:100", for a policy that routes by an SLO
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -9,11 +9,13 @@ from pathlib import Path
 from rich.console import Console
 
 from mvllm.backends.spec import BackendSpec, parse_apart, share_cores
+from mvllm.bench.metrics import parse_slo
 from mvllm.engine.modes import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
 from mvllm.model.tokenizer import Tokenizer
 from mvllm.routing.policies.registry import is_known
+from mvllm.routing.policies.slo import idle_misses
 from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
 from mvllm.server.app import build_app
@@ -49,21 +51,34 @@ def lossy_warnings(specs: list[BackendSpec]) -> list[str]:
             "against float32 on SmolLM2; the default CPU mode is accurate)" for s in specs if s.quant in LOSSY]
 
 
-def choose_policy(policy: str | None, profile: str | None, backends: list[str] | None = None) -> str:
+def choose_policy(policy: str | None, profile: str | None, backends: list[str] | None = None,
+                  target_slo: dict | None = None) -> str:
     """Without --policy: everything to the one backend where there is one (NAME-only where the registry has
-    it, else round-robin, which has only it to turn to); else eta where a profile gives it the backends' speeds,
-    else everything to the gpu backend. On the H200, eta never lost to gpu-only and the reference's mixed did
-    (results/README.md)."""
+    it, else round-robin, which has only it to turn to); with a profile, slo where a target SLO is given, else
+    eta; without one, everything to the gpu backend. On the H200, eta never lost to gpu-only and the
+    reference's mixed did (results/README.md); at an SLO, slo carries more load than either (docs/routing.md)."""
     if policy:
         return policy
     if backends is not None and len(backends) == 1:
         return f"{backends[0]}-only" if is_known(f"{backends[0]}-only") else "round-robin"
-    return "eta" if profile else "gpu-only"
+    return ("slo" if target_slo else "eta") if profile else "gpu-only"
+
+
+def unmet_warning(router: Router) -> str | None:
+    """The line to say once at start where no backend meets the router's target SLO even idle."""
+    slo = router.target_slo
+    if not slo or not router.timings:
+        return None
+    missed = {b: idle_misses(t, slo) for b, t in router.timings.items()}
+    if not all(missed.values()):
+        return None
+    return ("no backend meets --target-slo even idle (" + "; ".join(f"{b}: {', '.join(m)}" for b, m in
+                                                                    missed.items()) + "): serving anyway")
 
 
 def serve(model: str, backends: str | None, policy: str | None, profile: str | None, max_active: int | None, host: str,
           port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float,
-          shutdown_timeout: float = 30.0, restart_backends: bool = False) -> None:
+          shutdown_timeout: float = 30.0, restart_backends: bool = False, target_slo: str | None = None) -> None:
     import uvicorn
 
     from mvllm.server.shutdown import GracefulServer
@@ -71,12 +86,18 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
     for line in lossy_warnings(specs):
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False)
-    chosen = choose_policy(policy, profile, [s.name for s in specs])
+    target = parse_slo([target_slo], "--target-slo") if target_slo else None
+    if target_slo is not None and not target:
+        raise InvalidRequestError("--target-slo names no bound; e.g. --target-slo \"ttft:2000 tpot:100\"", "slo")
+    chosen = choose_policy(policy, profile, [s.name for s in specs], target)
     if policy is None and len(specs) == 1:
         console.print(f"mvllm: one backend ({specs[0].name}): every request goes to it (policy {chosen}; "
                       "--policy picks another)", highlight=False)
     policy = chosen
-    router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log)
+    router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log, slo=target)
+    unmet = unmet_warning(router)
+    if unmet:
+        console.print(f"[yellow]warning:[/yellow] {unmet}", highlight=False)
     prefix = read_prefix(warm_prefix)
     source = resolve(model)
     tokenizer = Tokenizer(load_tokenizer(source), model)

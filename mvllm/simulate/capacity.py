@@ -4,6 +4,7 @@ printed are capacity.py's (shared with `mvllm bench --slo`, which measures each 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from mvllm.bench import workload as wl
@@ -18,6 +19,7 @@ def simulated(profile: dict, slo: dict) -> Measure:
     from mvllm.simulate.sim import run_one
 
     def measure(policy: str, x: float, point: Experiment) -> dict:
+        point = replace(point, goodput=dict(slo))  # the searched SLO: the one an SLO-aware policy routes by
         records: list = []
         summary = run_one(point, policy, profile, wl.vocab_of(point.model, point.workload), keep=records)
         good = sum(r.ok and meets_slo(slo, r) for r in records)

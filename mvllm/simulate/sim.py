@@ -39,6 +39,7 @@ from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import MvllmError
 from mvllm.routing.eta import Timing
 from mvllm.routing.lengths import Lengths
+from mvllm.routing.policies.registry import uses_slo
 from mvllm.routing.rates import rates_as_served
 from mvllm.routing.router import Router
 from mvllm.simulate.backend import Backend, Job
@@ -134,7 +135,7 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     backends = {name: Backend(name, t, KVCache(blocks[name]))
                 for name, t in timings(rates, [s.name for s in specs]).items()}
     router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates,
-                    lengths=lengths)
+                    lengths=lengths, slo=exp.goodput if uses_slo(policy) else None)
     built = built or wl.build_all(exp.workload, vocab, exp.model, tokens=False)
     if exp.workload.warm and built.prefix:
         hashes, n = chain(built.prefix), len(built.prefix)

@@ -1,7 +1,7 @@
 """Routing policies: each picks one backend name for a whole request.
 
-One file per policy (mixed, eta with eta-caps and oracle, new_token_ratio, makespan, sglang_cache, kv_cost,
-only, round_robin, split), each a Policy (base.py: `choose`, the hooks, what the router must price for it) that
+One file per policy (mixed, eta with eta-caps and oracle, new_token_ratio, makespan, slo, sglang_cache, kv_cost,
+only, round_robin, split, share), each a Policy (base.py: `choose`, the hooks, what the router must price for it) that
 keeps its own state; registry.py holds the names `--policy` takes. sglang-cache and kv-cost are the field's
 rules, as peers.
 """

@@ -45,6 +45,7 @@ class Policy:
     needs_drain = False  # candidates carry `drain` and `idle_drain`, each backend's queue's end with and without it
     needs_blocks = False  # the request carries its block hashes (callers hash the prompt only where this is set)
     every_backend = False  # candidates (and the routing log) list backends without rates too, at rate 0
+    uses_slo = False  # routes by an SLO (`slo`, set by the router before `start`); others refuse one
     # (the router prices candidates only from rates: set needs_rates with needs_score, needs_timing or needs_drain)
 
     def start(self, router) -> None:
