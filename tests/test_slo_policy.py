@@ -86,9 +86,9 @@ def test_simulated_m2_capacity_slo_carries_more_than_eta_and_mixed():
 
 
 def test_serve_target_slo_picks_slo_and_refuses_bad_input_in_one_line():
-    assert choose_policy(None, "profile.json", LOOSE) == "slo"
+    assert choose_policy(None, "profile.json", None, LOOSE) == "slo"
     assert choose_policy(None, "profile.json", None) == "eta"
-    assert choose_policy(None, None, LOOSE) == "gpu-only"
+    assert choose_policy(None, None, None, LOOSE) == "gpu-only"
     profile = str(ROOT / "results/capacity/profile.json")
     runner = CliRunner()
     for args, message in [

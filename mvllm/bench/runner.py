@@ -25,8 +25,8 @@ from mvllm.bench.process import ServerError, ServerProcess
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
 from mvllm.bench.workload import Built, build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
-from mvllm.tables import WIDTH
 from mvllm.routing.policies.registry import uses_slo
+from mvllm.tables import WIDTH
 
 EXTERNAL = "external"
 
