@@ -22,6 +22,7 @@ time, plus `kv_blocks` and `preemptions` per backend.
 from __future__ import annotations
 
 import copy
+import gc
 import heapq
 import json
 import os
@@ -146,7 +147,13 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
                 raise SimulateError(f"backend {b.name}: its {b.kv.num_blocks} KV blocks cannot hold the "
                                     f"{n}-token prefix to warm")
             b.kv.warm(hashes, n)
-    records = replay(built.requests, backends, router, vocab, context_len(exp.model, blocks), times=not brief)
+    collecting = gc.isenabled()
+    gc.disable()  # the replay's records, jobs and events live until it ends: its passes would free next to nothing
+    try:
+        records = replay(built.requests, backends, router, vocab, context_len(exp.model, blocks), times=not brief)
+    finally:
+        if collecting:
+            gc.enable()
     router.close()
     if keep is not None:
         keep.extend(records)
