@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
-from mvllm.bench.metrics import RequestRecord, percentile, stats, summarize
+from mvllm.bench.metrics import RequestRecord, percentile, stats, summarize, tails
 
 
 def test_percentiles_match_a_hand_computed_example():
@@ -71,3 +72,32 @@ def test_summary_of_only_failures_has_no_latencies():
     assert s["completed"] == 0 and s["failed"] == 1
     assert s["median_ttft_ms"] is None and s["total_output_tokens"] == 0
     assert s["duration"] == pytest.approx(0.2)
+
+
+def test_pooled_itl_and_tails_are_the_plain_definitions_to_the_last_bit():
+    """The gaps go through numpy (a simulated trace has millions): the same floats as r.itl pooled in request
+    order, summed in that order; the band's keys (tails) are summarize's."""
+    rng = random.Random(5)
+    records = []
+    for i in range(400):
+        t, chunks = rng.random() * 50, []
+        for _ in range(rng.choice([0, 1, 2, 7, 60])):
+            t += rng.expovariate(200) * rng.choice([1, 1e-3, 40])
+            chunks.append(t)
+        done = bool(chunks) or rng.random() < 0.5
+        records.append(rec(i, chunks[0] - 0.2 if chunks else 1.0, chunks[0] if chunks else (1.3 if done else None),
+                           t + 0.01 if done else None, len(chunks), backend=rng.choice(["gpu", "cpu", "mps"]),
+                           chunks=chunks, error="" if done else "refused"))
+    s = summarize(records)
+    ok = [r for r in records if r.ok]
+    gaps = [1000.0 * g for r in ok for g in r.itl]
+    assert s["mean_itl_ms"] == sum(gaps) / len(gaps)
+    assert s["std_itl_ms"] == math.sqrt(sum((g - s["mean_itl_ms"]) ** 2 for g in gaps) / len(gaps))
+    assert (s["median_itl_ms"], s["p99_itl_ms"]) == (percentile(gaps, 50), percentile(gaps, 99))
+    for b in ("gpu", "cpu", "mps"):
+        mine = [1000.0 * g for r in ok if r.backend == b for g in r.itl]
+        assert s["backend_max_itl_ms"][b] == max(mine)
+        assert s["backend_p99_itl_ms"][b] == percentile(mine, 99)
+        assert type(s["backend_p99_itl_ms"][b]) is float
+    assert s["max_itl_ms"] == max(gaps)
+    assert tails(records) == {k: s[k] for k in ("makespan", "p95_ttft_ms", "p95_e2el_ms")}

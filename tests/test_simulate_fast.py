@@ -161,3 +161,15 @@ def test_the_band_run_in_forked_processes_is_the_band_run_here(tmp_path, monkeyp
     assert forked == here
     lo, hi = here[0]["band"]["makespan"]
     assert lo < hi
+
+
+def test_the_band_s_brief_runs_give_what_whole_summaries_give(tmp_path):
+    """The band's runs keep no token times and summarize only its keys: the same numbers as whole runs."""
+    exp = experiment(kind="trace", path=str(mooncake(tmp_path / "trace.jsonl", 120, gap_ms=5)), scale=4)
+    [row] = sim.simulate(exp, CAPACITY, ["eta"], None, spread=0.08)
+    runs = [row] + [sim.run_one(exp, "eta", sim.scaled_steps(CAPACITY, {n: f for n in CAPACITY["backends"]}),
+                                sim.wl.vocab_of(exp.model, exp.workload),
+                                believed=CAPACITY) for f in (0.92, 1.08)]
+    for key in sim.BAND_KEYS:
+        assert row["band"][key] == [min(r[key] for r in runs), max(r[key] for r in runs)]
+    assert runs[1]["p95_ttft_ms"] != runs[2]["p95_ttft_ms"]

@@ -23,8 +23,10 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import pairwise, repeat
+from itertools import chain, repeat
 from operator import sub
+
+import numpy as np
 
 from mvllm.errors import MvllmError
 
@@ -83,12 +85,12 @@ def percentile(values: list[float], p: float) -> float:
 
 def ranked(xs: list[float], p: float) -> float:
     """percentile of values sorted already."""
-    if not xs:
+    if not len(xs):
         raise ValueError("percentile of no values")
     k = (len(xs) - 1) * p / 100.0
     lo = math.floor(k)
     hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
 
 
 def stats(name: str, values_s: list[float]) -> dict:
@@ -96,15 +98,17 @@ def stats(name: str, values_s: list[float]) -> dict:
     return stats_ms(name, [1000.0 * v for v in values_s])
 
 
-def stats_ms(name: str, ms: list[float]) -> dict:
-    """stats of values in ms already."""
+def stats_ms(name: str, ms: list[float] | np.ndarray) -> dict:
+    """stats of values in ms already (a list, or an array: sorted by numpy, summed as the list is)."""
     out: dict = {}
-    if not ms:
+    if not len(ms):
         for key in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES)):
             out[f"{key}_{name}_ms"] = None
         return out
+    xs = np.sort(ms) if isinstance(ms, np.ndarray) else sorted(ms)
+    if isinstance(ms, np.ndarray):
+        ms = ms.tolist()
     mean = sum(ms) / len(ms)
-    xs = sorted(ms)
     out[f"mean_{name}_ms"] = mean
     out[f"median_{name}_ms"] = ranked(xs, 50)
     squares = map(pow, map(sub, ms, repeat(mean)), repeat(2))  # (x - mean) ** 2, in C's loops
@@ -194,15 +198,39 @@ def buckets(done: list[RequestRecord]) -> list[dict]:
     return out
 
 
-def itl_tails(done: list[RequestRecord]) -> tuple[float | None, dict, dict]:
+def itl_gaps(done: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Each request's gaps between chunks in ms (`1000 * (b - a)`, as r.itl), pooled in request order, the index
+    of each one's backend, and the backends (a simulated trace has millions of gaps: numpy's arrays)."""
+    lens = np.array([len(r.chunks) for r in done], dtype=np.int64)
+    times = np.array(list(chain.from_iterable(r.chunks for r in done)), dtype=np.float64)
+    names = sorted({r.backend for r in done})
+    index = {name: i for i, name in enumerate(names)}
+    owner = np.repeat(np.array([index[r.backend] for r in done], dtype=np.int64), lens)
+    if len(times) < 2:
+        return np.empty(0), np.empty(0, dtype=np.int64), names
+    keep = np.ones(len(times) - 1, dtype=bool)  # gap i lies between times i and i + 1: not across two requests
+    starts = np.cumsum(lens)[:-1]
+    keep[starts[(starts > 0) & (starts < len(times))] - 1] = False
+    return 1000.0 * (times[1:] - times[:-1])[keep], owner[:-1][keep], names
+
+
+def itl_tails(gaps: np.ndarray, owner: np.ndarray, names: list[str]) -> tuple[float | None, dict, dict]:
     """The worst gap between two chunks of one request (ms), and per backend its ITL p99 and worst gap: what a
-    long prompt's prefill costs the requests decoding beside it."""
-    gaps: dict[str, list[float]] = {}
-    for r in done:
-        gaps.setdefault(r.backend, []).extend(1000.0 * (b - a) for a, b in pairwise(r.chunks))
-    gaps = {k: sorted(v) for k, v in sorted(gaps.items()) if v}
-    worst = {k: v[-1] for k, v in gaps.items()}
-    return max(worst.values(), default=None), {k: ranked(v, 99) for k, v in gaps.items()}, worst
+    long prompt's prefill costs the requests decoding beside it (itl_gaps' arrays)."""
+    per = {name: np.sort(gaps[owner == i]) for i, name in enumerate(names)}
+    per = {k: v for k, v in per.items() if len(v)}
+    worst = {k: float(v[-1]) for k, v in per.items()}
+    return max(worst.values(), default=None), {k: ranked(v, 99) for k, v in per.items()}, worst
+
+
+def tails(records: list[RequestRecord]) -> dict:
+    """summarize's makespan, p95_ttft_ms and p95_e2el_ms alone, the same values (what simulate's band reads)."""
+    done = [r for r in records if r.ok]
+    start = min((r.arrival for r in records), default=0.0)
+    out = {"makespan": max((r.finish for r in done), default=start) - start}
+    for name in ("ttft", "e2el"):
+        out[f"p95_{name}_ms"] = percentile([1000.0 * getattr(r, name) for r in done], 95) if done else None
+    return out
 
 
 def summarize(records: list[RequestRecord], duration: float | None = None, slo: dict | None = None) -> dict:
@@ -232,10 +260,10 @@ def summarize(records: list[RequestRecord], duration: float | None = None, slo: 
     }
     s.update(stats("ttft", [r.ttft for r in done]))
     s.update(stats("tpot", [t for r in done if (t := r.tpot) is not None]))
-    # each r.itl in ms, in one pass (a simulated trace has millions)
-    s.update(stats_ms("itl", [1000.0 * (b - a) for r in done for a, b in pairwise(r.chunks)]))
+    gaps = itl_gaps(done)  # each r.itl in ms, in one pass (a simulated trace has millions)
+    s.update(stats_ms("itl", gaps[0]))
     s.update(stats("e2el", [r.e2el for r in done]))
-    s["max_itl_ms"], s["backend_p99_itl_ms"], s["backend_max_itl_ms"] = itl_tails(done)
+    s["max_itl_ms"], s["backend_p99_itl_ms"], s["backend_max_itl_ms"] = itl_tails(*gaps)
     s["backend_requests"] = dict(sorted(Counter(r.backend for r in done).items()))
     cached: dict[str, int] = {}
     for r in done:

@@ -22,18 +22,20 @@ time, plus `kv_blocks` and `preemptions` per backend.
 from __future__ import annotations
 
 import copy
+import gc
 import heapq
 import json
 import os
 import pickle
 import sys
+from collections import deque
 from pathlib import Path
 
 from mvllm.backends.spec import BackendSpec, default_backends, parse_backends
 from mvllm.bench import workload as wl
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.idprompt import IdPrompt
-from mvllm.bench.metrics import RequestRecord, summarize
+from mvllm.bench.metrics import RequestRecord, summarize, tails
 from mvllm.bench.results import read_aggregate
 from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.errors import MvllmError
@@ -121,11 +123,13 @@ def reply_hashes(req: wl.Request, prompt: list[int], hashes: list[int], vocab: i
 
 
 def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list | None = None,
-            believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None) -> dict:
+            believed: dict | None = None, built: wl.Built | None = None, lengths: Lengths | None = None,
+            brief: bool = False) -> dict:
     """One simulated run; `keep`, if given, receives the per-request records. `believed`: the profile the
     router decides by, where it differs from the one the backends run by (the model's error). `built`: the
     workload, where the caller has built it already (a trace takes seconds). `lengths`: the length estimate's
-    start (a server that has seen this traffic before; default: none seen)."""
+    start (a server that has seen this traffic before; default: none seen). `brief`: only the band's keys
+    (metrics.tails), not the whole summary."""
     text = default_backends() if exp.backends == "default" else exp.backends
     specs = parse_backends(text, exp.max_active, check_devices=False)
     most = {s.name: s.max_active for s in specs}
@@ -144,10 +148,18 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
                 raise SimulateError(f"backend {b.name}: its {b.kv.num_blocks} KV blocks cannot hold the "
                                     f"{n}-token prefix to warm")
             b.kv.warm(hashes, n)
-    records = replay(built.requests, backends, router, vocab, context_len(exp.model, blocks))
+    collecting = gc.isenabled()
+    gc.disable()  # the replay's records, jobs and events live until it ends: its passes would free next to nothing
+    try:
+        records = replay(built.requests, backends, router, vocab, context_len(exp.model, blocks), times=not brief)
+    finally:
+        if collecting:
+            gc.enable()
     router.close()
     if keep is not None:
         keep.extend(records)
+    if brief:
+        return tails(records)
     summary = summarize(records)
     summary["kv_blocks"] = blocks
     summary["max_step_tokens"] = budgets
@@ -156,9 +168,11 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
 
 
 def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Router, vocab: int,
-           context: int) -> list[RequestRecord]:
+           context: int, times: bool = True) -> list[RequestRecord]:
     """The client's side: first turns at their send times, each follow-up turn its think time after its
-    parent's last token (or its failure)."""
+    parent's last token (or its failure). Without `times`, no record keeps its tokens' times (`chunks`: a
+    sink), where only first tokens and finishes are read."""
+    sink = None if times else deque(maxlen=0)
     turns: dict[int, list[wl.Request]] = {}
     for r in requests:
         if r.parent is not None:
@@ -197,6 +211,8 @@ def replay(requests: list[wl.Request], backends: dict[str, Backend], router: Rou
             n, cap = len(prompt), req.cap
             rec = RequestRecord(req.id, now, n, sent=now, max_tokens=cap, target_tokens=req.output_tokens,
                                 parent=req.parent)
+            if sink is not None:
+                rec.chunks = sink
             records.append(rec)
             limit = cap if cap is not None else context - n  # the server's default: up to the context's end
             if req.parent in failed or n >= context or n + limit > context:
@@ -276,7 +292,8 @@ def band(point: Experiment, policy: str, profile: dict, vocab: int, spread: floa
     own where the host can fork (Linux), and what is returned, called with `base`, waits for them and gives
     the band (the base run meanwhile runs here: three runs in the time of about one and a half on two cores)."""
     runs = [later(lambda f=f: run_one(point, policy, scaled_steps(profile, {n: f for n in profile["backends"]}),
-                                      vocab, believed=believed or profile, built=built, lengths=lengths))
+                                      vocab, believed=believed or profile, built=built, lengths=lengths,
+                                      brief=True))
             for f in (1 - spread, 1 + spread)]
 
     def done(base: dict) -> dict:
