@@ -14,7 +14,8 @@ MOST_ACTIVE = 256  # CUDA's cap, vLLM's default max_num_seqs
 SEQ_TOKENS = 1024  # a typical request's KV: the reference's 516-token prompt and a few hundred tokens out
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 4.0, "mps": 1.0}
 # A step's token budget: vLLM's OpenAI server's max_num_batched_tokens on CUDA (8,192 on a GPU of 70 GiB or more,
-# 2,048 below); on the CPU and MPS a step near the decode cadence (docs/backends.md says how it was chosen).
+# 2,048 below); on the CPU and MPS the smallest budget whose 1,024-token prompt reaches its first token within 10%
+# of its time whole (results/serving-engine: 1.10x at 256 on a Xeon; docs/backends.md).
 STEP_TOKENS_BIG_GPU, STEP_TOKENS_GPU, BIG_GPU_GIB = 8192, 2048, 70
 STEP_TOKENS_HOST = 256
 
