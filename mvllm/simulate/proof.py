@@ -7,7 +7,7 @@ requests simulated without them: TPOT for `step_ms`, then TTFT of requests that 
 slot for `request_ms`. It reads the gpu-only runs after the first (the first run of a fresh server pays
 its warm-up) and the eta runs (all on the gpu) for the gpu, and the split:K runs for the cpu. `prove(names, serving)` simulates every experiment from
 its own profile with those overheads (a profile made with `--serving` keeps its own) and lines each cell up
-with the measured mean. The runs of results/compiled-gpu/ (issue 11's GPU path) were profiled with `--serving`
+with the measured mean. The runs of results/compiled-gpu/ (the compiled GPU path) were profiled with `--serving`
 in their own session, so they are predicted from that profile alone.
 """
 
