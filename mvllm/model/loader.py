@@ -18,6 +18,11 @@ from mvllm.machine import cache_dir
 from mvllm.model.config import ModelConfig
 from mvllm.model.presets import DEFAULT_MODEL, PRESETS
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 if TYPE_CHECKING:  # torch is imported where weights are read: the API process resolves models without it
     import torch
 
@@ -122,19 +127,12 @@ def say(line: str) -> None:
 
 @contextlib.contextmanager
 def _lock(path: Path):
-    """An exclusive lock between processes (flock; none on Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+    """Held by one process at a time (flock, released as the file closes; none on Windows)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with open(path, "a") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def _convert(gguf: Path, out: Path) -> None:
