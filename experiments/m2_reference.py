@@ -28,27 +28,12 @@ import sys
 from pathlib import Path
 
 from mvllm.bench.experiment import load
+from mvllm.simulate.reference import BRIEF, profile  # noqa: F401 (BRIEF: the rates this script reports)
 from mvllm.simulate.sim import simulate
 
-BRIEF = {"gpu": {"prefill": 2551.0, "decode": 293.0}, "cpu": {"prefill": 73.0, "decode": 45.0}}
 REFERENCE = {"paper-8": {"gpu-only": 11.47, "mixed": 10.35, "cpu_requests": "0, 1, 6"},
              "paper-48": {"gpu-only": 68.43, "mixed": 60.88, "cpu_requests": "6, 6, 6"}}
 SHARES = (1.0, 0.9, 0.8, 0.6, 0.44)
-
-
-def profile(share: float) -> dict:
-    backends = {}
-    for name, r in BRIEF.items():
-        step4 = 4 / r["decode"]
-        decode = [{"batch": b, "step_ms": 1000 * step4 * (share + (1 - share) * b / 4), "tok_s": 0.0}
-                  for b in range(1, 5)]
-        for d in decode:
-            d["tok_s"] = d["batch"] / d["step_ms"] * 1000
-        backends[name] = {"prefill_rate": r["prefill"], "decode_rate": r["decode"], "decode": decode,
-                          "prefill": [{"kind": "cold", "tokens": 516, "ms": 516 / r["prefill"] * 1000,
-                                       "tok_s": r["prefill"]}]}
-    return {"note": f"from BRIEF.md's aggregate rates, step(b) = step(4) * ({share} + {1 - share:.2f} * b / 4)",
-            "backends": backends}
 
 
 SLOS = ("ttft:2000 tpot:100", "ttft:2000 tpot:50")

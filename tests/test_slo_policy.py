@@ -3,7 +3,6 @@ share:P spreads a fixed fraction to the CPU; bad SLOs are refused in one line.""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,9 @@ from mvllm.routing.policies.registry import uses_slo
 from mvllm.routing.router import Router
 from mvllm.server.serve import choose_policy, unmet_warning
 from mvllm.simulate.capacity import capacity
+from mvllm.simulate.reference import profile as m2_profile
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
-from m2_reference import profile as m2_profile  # noqa: E402
 
 LOOSE = {"ttft_ms": 2000.0, "tpot_ms": 100.0}
 

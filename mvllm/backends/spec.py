@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from mvllm import machine
 from mvllm.engine.block_manager import BLOCK_SIZE
-from mvllm.engine.sizes import MAX_ACTIVE, check_step_tokens
+from mvllm.engine.sizes import MAX_ACTIVE, check_step_tokens, default_step_tokens
 from mvllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -269,3 +269,20 @@ def share_cores(specs: list[BackendSpec]) -> None:
     for s in local:
         if s.device != "cpu" and s.threads is None:
             s.threads = 1
+
+
+def spec_budget(spec) -> int | None:
+    """The step's token budget a backend spec runs under: its max_step_tokens, else its device's default where
+    this host can tell it (CPU, MPS, a CUDA device here); None for a remote backend or a CUDA device not here."""
+    import torch
+
+    if getattr(spec, "max_step_tokens", None):
+        return spec.max_step_tokens
+    if spec.remote:
+        return None
+    device = torch.device(spec.device)
+    if device.type != "cuda":
+        return max(default_step_tokens(device.type)[0], spec.max_active or 1)
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        return None
+    return default_step_tokens("cuda", torch.cuda.get_device_properties(device).total_memory / 2**30)[0]

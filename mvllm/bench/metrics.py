@@ -19,24 +19,17 @@ slo the SLOs themselves.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import sub
 
 import numpy as np
 
-from mvllm.errors import MvllmError
+from mvllm.slo import SLO_KEYS, SloError, parse_slo  # noqa: F401 (bench's callers import them from here)
 
 PERCENTILES = (95, 99)
-SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 BUCKET_EDGES = (64, 256, 1024, 4096, 16384, 65536)  # prompt tokens; powers of 4
-
-
-class SloError(MvllmError):
-    pass
 
 
 @dataclass(slots=True)
@@ -115,32 +108,6 @@ def stats_ms(name: str, ms: list[float] | np.ndarray) -> dict:
     out[f"std_{name}_ms"] = math.sqrt(sum(squares) / len(ms))
     for p in PERCENTILES:
         out[f"p{p}_{name}_ms"] = ranked(xs, p)
-    return out
-
-
-def parse_slo(items: Iterable[str], flag: str = "--goodput") -> dict[str, float]:
-    """vLLM's `--goodput KEY:MS` pairs (KEY ttft, tpot or e2el; repeated, or several in one value apart by
-    spaces or commas) as {"ttft_ms": MS, ...}."""
-    out: dict[str, float] = {}
-    for item in items:
-        for pair in re.split(r"[\s,]+", item.strip()):
-            if not pair:
-                continue
-            name, sep, value = pair.partition(":")
-            key = name if name.endswith("_ms") else f"{name}_ms"
-            if not sep:
-                raise SloError(f"{flag} {pair!r}: expected KEY:MS (vLLM's form), e.g. {flag} ttft:500")
-            if key not in SLO_KEYS:
-                raise SloError(f"{flag} {pair!r}: unknown metric {name!r}; give KEY:MS with KEY one of ttft, "
-                               f"tpot, e2el, e.g. {flag} ttft:500")
-            try:
-                ms = float(value)
-            except ValueError:
-                ms = math.nan
-            if not 0 < ms < math.inf:
-                raise SloError(f"{flag} {pair!r}: the bound must be a positive number of milliseconds, "
-                               f"e.g. {name}:500")
-            out[key] = ms
     return out
 
 

@@ -14,7 +14,7 @@ import httpx
 from rich.console import Console
 
 from mvllm import env as envinfo
-from mvllm.backends.spec import default_backends, parse_backends, set_option
+from mvllm.backends.spec import default_backends, parse_backends, set_option, spec_budget
 from mvllm.bench.client import check_reachable, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
 from mvllm.bench.experiment import Experiment, ExperimentError, check_policy, find_profile
@@ -47,8 +47,6 @@ def _largest(exp: Experiment) -> dict[str, int]:
 def _budgets(exp: Experiment) -> dict[str, int | None]:
     """The step budget each backend runs: its spec's max_step_tokens, else the default for its device where
     this host can tell it (the CPU and MPS; a CUDA device present here); None where not known."""
-    from mvllm.profile.plan import spec_budget
-
     out: dict[str, int | None] = {}
     for _, point in exp.points():
         for spec in parse_backends(backend_text(point), point.max_active, check_devices=False):

@@ -14,23 +14,6 @@ DECODE_PREFIX, DECODE_NEW = 560, 4  # context 564 at the first decode step, ~580
 Progress = Callable[[str], None]
 
 
-def spec_budget(spec) -> int | None:
-    """The step's token budget a backend spec runs under: its max_step_tokens, else its device's default where
-    this host can tell it (CPU, MPS, a CUDA device here); None for a remote backend or a CUDA device not here."""
-    from mvllm.engine.sizes import default_step_tokens
-
-    if getattr(spec, "max_step_tokens", None):
-        return spec.max_step_tokens
-    if spec.remote:
-        return None
-    device = torch.device(spec.device)
-    if device.type != "cuda":
-        return default_step_tokens(device.type)[0]
-    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-        return None
-    return default_step_tokens("cuda", torch.cuda.get_device_properties(device).total_memory / 2**30)[0]
-
-
 class Tokens:
     """Fresh random prompts: distinct, so no prompt hits another's cache by accident."""
 

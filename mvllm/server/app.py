@@ -13,13 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from mvllm.bench.metrics import SloError, parse_slo
 from mvllm.engine.params import SamplingParams, check_budget, check_prompt
 from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.model.tokenizer import Tokenizer
 from mvllm.server.cluster import Cluster
 from mvllm.server.protocol import ChatRequest, CompletionRequest, PolicyRequest, WarmRequest, error
 from mvllm.server.text import Detokenizer
+from mvllm.slo import SloError, parse_slo
 
 
 def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_size: int,

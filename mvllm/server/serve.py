@@ -9,7 +9,6 @@ from pathlib import Path
 from rich.console import Console
 
 from mvllm.backends.spec import BackendSpec, parse_apart, share_cores
-from mvllm.bench.metrics import parse_slo
 from mvllm.engine.modes import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
@@ -20,6 +19,7 @@ from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
 from mvllm.server.app import build_app
 from mvllm.server.cluster import Cluster
+from mvllm.slo import parse_slo
 
 console = Console(stderr=True, soft_wrap=True)
 
