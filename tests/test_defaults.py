@@ -113,5 +113,8 @@ def test_env_names_each_backends_default_and_why():
                                                     "mps": False},
              "backends": {"gpu": {"device": "cuda", "dtype": "bfloat16", "quant": "none", "threads": 1,
                                   "max_active": most, "max_active_why": why, "overlap": True, "graphs": True,
-                                  "compiled": True, "sampling": "float64 CDF"}}}
+                                  "compiled": True, "sampling": "float64 CDF", "max_step_tokens": 8192,
+                                  "max_step_tokens_why": "a GPU of 79 GiB (vLLM's default from 70 GiB)"}}}
     assert "max_active 182 (smollm2-135m: KV holds 182 sequences of 1,024 tokens)" in render(facts)
+    assert "max_step_tokens 8192 (a GPU of 79 GiB (vLLM's default from 70 GiB))" in render(facts)
+    assert "max_step_tokens 256 (measured default)" in res.output

@@ -207,7 +207,7 @@ def test_policy_names_come_from_one_registry():
     from mvllm.routing.policies import PARAMETRISED, POLICIES, REGISTRY, Split, is_known, make_policy
 
     assert POLICIES == ("mixed", "eta", "eta-caps", "new-token-ratio", "oracle", "makespan", "gpu-only",
-                        "cpu-only", "round-robin", "sglang-cache", "kv-cost", "split:K")
+                        "cpu-only", "round-robin", "sglang-cache", "kv-cost", "slo", "split:K", "share:P")
     for name in REGISTRY:
         assert is_known(name) and check_policy(name) == name
         assert make_policy(name, ["gpu", "cpu"]).name == name

@@ -24,6 +24,7 @@ from mvllm.routing.cost import Booking
 from mvllm.routing.eta import Timing, drain_time, finish_time
 from mvllm.routing.lengths import Lengths, TokenRatio
 from mvllm.routing.policies import REGISTRY
+from mvllm.routing.policies.registry import uses_slo
 from mvllm.routing.router import Router
 from mvllm.simulate import sim
 
@@ -362,7 +363,7 @@ def test_kv_cost_is_the_argmin_of_its_cost():
 
 @pytest.mark.parametrize("policy", list(REGISTRY))
 def test_every_policy_routes_over_four_backends(policy):
-    router = Router(FOUR, policy, RATES4)
+    router = Router(FOUR, policy, RATES4, slo={"ttft_ms": 2000.0, "tpot_ms": 100.0} if uses_slo(policy) else None)
     for i in range(16):
         blocks = [i % 3, 100 + i]
         name = router.route(f"r{i}", 40, 30, {b: 16 * (b == "cpu2") for b in FOUR}, blocks=blocks, length=12)
