@@ -150,9 +150,9 @@ def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None)
     most, why = max_active(spec, config, model, model_cfg or ModelConfig.from_dict(PRESETS[DEFAULT_MODEL]))
     from mvllm.engine.engine import step_tokens
 
-    budget, budget_why = step_tokens(config)
+    budget, budget_why = step_tokens(config, most)
     facts = {"device": spec.device, "dtype": dtype, "quant": config.quant, "threads": spec.threads,
-             "max_active": most, "max_active_why": why, "max_step_tokens": max(budget, most),
+             "max_active": most, "max_active_why": why, "max_step_tokens": budget,
              "max_step_tokens_why": budget_why, "overlap": config.overlap}
     if device.type == "cpu":
         facts["picked"] = config.picked

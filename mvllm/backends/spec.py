@@ -7,11 +7,12 @@
 Keys of a local backend: dtype, quant (none|int8w|int8-lossy; left out on a CPU backend: the accurate mode
 fastest here, see engine/quant.py), threads, max_active (default 4; on CUDA what the KV pool holds, at most
 256: engine/sizes.py), max_step_tokens (the tokens one step computes: decodes, then chunks of prompts; default
-8,192 on a CUDA GPU of 70 GiB or more, 2,048 below, 256 on the CPU and MPS), num_blocks, kv_cache_gb, graphs (on|off), compile (on|off: on CUDA, torch.compile and
-Triton attention inside the graphs), fused (on|off: the CPU's fused float32 kernels), overlap (on|off; default
-on for CUDA, off elsewhere: schedule and launch the next step while the device runs this one), batch_invariant
-(on|off, CPU int8w: every token through the int8 kernel, so a request's greedy tokens do not depend on its
-batch mates; off: prefill-sized batches through a GEMM, bf16 where the CPU has it; see engine/quant.py).
+8,192 on a CUDA GPU of 70 GiB or more, 2,048 below, 256 on the CPU and MPS), num_blocks, kv_cache_gb, graphs
+(on|off), compile (on|off: on CUDA, torch.compile and Triton attention inside the graphs), fused (on|off: the
+CPU's fused float32 kernels), overlap (on|off; default on for CUDA, off elsewhere: schedule and launch the next
+step while the device runs this one), batch_invariant (on|off, CPU int8w: every token through the int8 kernel,
+so a request's greedy tokens do not depend on its batch mates; off: prefill-sized batches through a GEMM, bf16
+where the CPU has it; see engine/quant.py).
 
 A DEVICE of http://HOST:PORT or https://HOST:PORT (an optional path such as /v1 may follow) is a remote
 backend: any OpenAI-compatible server (another `mvllm serve`, vLLM, SGLang, llama.cpp's server) serving
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from mvllm import machine
 from mvllm.engine.block_manager import BLOCK_SIZE
-from mvllm.engine.sizes import MAX_ACTIVE, check_step_tokens, default_step_tokens
+from mvllm.engine.sizes import MAX_ACTIVE, check_step_tokens
 from mvllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class BackendSpec:
         from mvllm.engine.engine import EngineConfig
 
         return EngineConfig(model=model, device=self.device, dtype=self.dtype, max_active=self.max_active,
-                            max_step_tokens=self.max_step_tokens, block_size=block_size, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
+                            max_step_tokens=self.max_step_tokens, block_size=block_size, num_blocks=self.num_blocks,
+                            kv_cache_gb=self.kv_cache_gb,
                             threads=self.threads, quant=self.quant, graphs=self.graphs,
                             compile=self.compile, fused=self.fused, overlap=self.overlap,
                             batch_invariant=self.batch_invariant)
@@ -78,7 +80,8 @@ class BackendSpec:
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
-LOCAL_ONLY = ("dtype", "quant", "threads", "max_step_tokens", "kv_cache_gb", "graphs", "compile", "fused", "overlap", "batch_invariant")
+LOCAL_ONLY = ("dtype", "quant", "threads", "max_step_tokens", "kv_cache_gb", "graphs", "compile", "fused", "overlap",
+              "batch_invariant")
 
 
 def is_url(device: str) -> bool:
@@ -271,18 +274,17 @@ def share_cores(specs: list[BackendSpec]) -> None:
             s.threads = 1
 
 
-def spec_budget(spec) -> int | None:
-    """The step's token budget a backend spec runs under: its max_step_tokens, else its device's default where
-    this host can tell it (CPU, MPS, a CUDA device here); None for a remote backend or a CUDA device not here."""
+def spec_budget(spec: BackendSpec) -> int | None:
+    """The step's token budget a backend spec runs under (engine.step_tokens); None for a remote backend or a CUDA
+    device this host does not have (its default depends on the GPU's memory)."""
     import torch
 
-    if getattr(spec, "max_step_tokens", None):
-        return spec.max_step_tokens
+    from mvllm.engine.engine import step_tokens
+
     if spec.remote:
         return None
-    device = torch.device(spec.device)
-    if device.type != "cuda":
-        return max(default_step_tokens(device.type)[0], spec.max_active or 1)
-    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-        return None
-    return default_step_tokens("cuda", torch.cuda.get_device_properties(device).total_memory / 2**30)[0]
+    if spec.max_step_tokens is None and is_cuda(spec.device):
+        index = torch.device(spec.device).index or 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            return None
+    return step_tokens(spec.engine_config("-"), spec.max_active)[0]

@@ -100,13 +100,15 @@ class EngineConfig:
             self.batch_invariant = BATCH_INVARIANT
 
 
-def step_tokens(config: EngineConfig) -> tuple[int, str]:
-    """(max_step_tokens, why) of a validated config: its own, else the device's default (engine/sizes.py)."""
+def step_tokens(config: EngineConfig, max_active: int | None = None) -> tuple[int, str]:
+    """(max_step_tokens, why) of a validated config: its own, else the device's default (engine/sizes.py) raised to
+    `max_active` where that is more (a default never refuses: it holds a decode of every running request)."""
     if config.max_step_tokens is not None:
         return config.max_step_tokens, "set"
     device = torch.device(config.device)
     gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
-    return default_step_tokens(device.type, gib)
+    budget, why = default_step_tokens(device.type, gib)
+    return max(budget, max_active or 1), why
 
 
 def context_len(config: EngineConfig, model_cfg, num_blocks: int) -> int:
@@ -161,9 +163,7 @@ class Engine:
         num_blocks, config.max_active, self.max_active_why = served_pool(config, cfg)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_model_len = context_len(config, cfg, num_blocks)
-        config.max_step_tokens, self.max_step_tokens_why = step_tokens(config)
-        if config.max_step_tokens < config.max_active and self.max_step_tokens_why != "set":
-            config.max_step_tokens = config.max_active  # a default never refuses: it holds every decode
+        config.max_step_tokens, self.max_step_tokens_why = step_tokens(config, config.max_active)
         check_step_tokens(config.max_step_tokens, config.max_active)
         self.scheduler = Scheduler(self.blocks, config.max_active, self.max_model_len, cfg.eos_token_ids,
                                    config.max_step_tokens)
