@@ -152,8 +152,8 @@ class Scheduler:
     def land(self, seqs: list[Sequence], index: list[int], tokens: list[int], now: float,
              errors: dict[str, Exception] | None = None) -> list[Sequence]:
         """A step's sampled tokens reached the host (`seqs`: its batch's `sampled`): each goes to token_ids[index]
-        of its sequence (unless it
-        ended meanwhile: aborted, or finished by the step before in overlap); returns those that finished.
+        of its sequence (unless it ended meanwhile: aborted, or finished by the step before in overlap); returns
+        those that finished.
         `errors`: request id -> why its token could not be sampled. Such a sequence, and one whose landing
         raises (its exception added to `errors`), ends with finish_reason "error" and is returned too; the
         others land as if it were not there."""
