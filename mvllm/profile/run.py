@@ -20,9 +20,8 @@ from mvllm import machine
 from mvllm.backends.spec import BackendSpec, share_cores
 from mvllm.engine.block_manager import BLOCK_SIZE
 from mvllm.engine.cuda_graphs import token_buckets
-from mvllm.engine.engine import Engine, served_pool
+from mvllm.engine.engine import Engine, served_pool, step_tokens
 from mvllm.engine.params import SamplingParams
-from mvllm.engine.sizes import default_step_tokens
 from mvllm.env import backend_facts, cpu_name, git_commit
 from mvllm.kernels import cpu_int8
 from mvllm.model.loader import ModelSource, resolve
@@ -93,13 +92,13 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
     source = resolve(model)
     spec.max_active = served_max_active(spec, source, block_size)
     config = spec.engine_config(model, block_size)
-    budget = step_tokens(config)
+    budget = step_tokens(config, spec.max_active)[0]
     config.num_blocks = kv_blocks(spec, lengths, block_size, contexts, budget)
     progress(f"{spec.name}: loading {model} on {spec.device}")
     start = time.perf_counter()
     engine = Engine(config, source)
     ready_s = time.perf_counter() - start
-    budget = getattr(engine.config, "max_step_tokens", None) or budget  # as the engine resolved it
+    budget = engine.config.max_step_tokens  # as the engine resolved it
     progress(f"{spec.name}: ready in {ready_s:.1f} s")
     tokens = Tokens(engine.source.config.vocab_size)
     out = {"device": spec.device, "device_name": device_name(engine.device), "dtype": str(engine.dtype)[6:],
@@ -168,8 +167,8 @@ def measure_backend(model: str, spec: BackendSpec, lengths: tuple[int, ...], rep
 def context_steps(engine: Engine, spec: BackendSpec, contexts: tuple[int, ...], steps: int, tokens: Tokens,
                   progress: Progress) -> list[dict]:
     """Decode at chosen depths, as `llama-bench -d DEPTH` measures it: each request's prompt is DEPTH tokens (one
-    for depth 0), warmed into the cache first so the batch's prompts end in one step, then `steps` timed decode steps, at batch 1 and CONTEXT_BATCH (within
-    max_active). `context` is the mean context of the timed steps."""
+    for depth 0), warmed into the cache first so the batch's prompts end in one step, then `steps` timed decode
+    steps, at batch 1 and CONTEXT_BATCH (within max_active). `context` is the mean context of the timed steps."""
     rows = []
     for depth in contexts:
         if max(depth, 1) + steps + 3 >= engine.max_model_len:
@@ -211,16 +210,6 @@ def mixed_steps(engine: Engine, batch: int, decoding: Callable[[], list[int]], r
         out.append({"kind": kind, "tokens": min(uncached), "cached": len(ids) - min(uncached), "batch": batch,
                     "ms": _median_ms(times)})
     return out
-
-
-def step_tokens(config) -> int:
-    """The step's token budget the backend runs under: its config's, else the default for its device."""
-    got = getattr(config, "max_step_tokens", None)
-    if got:
-        return got
-    device = torch.device(config.device)
-    gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
-    return default_step_tokens(device.type, gib)[0]
 
 
 def chunk_steps(engine: Engine, budget: int, decodes: int, decoding: Callable[[], list[int]], tokens: Tokens,

@@ -73,7 +73,7 @@ def step_budgets(profile: dict, specs: list[BackendSpec]) -> dict[str, int | Non
     out = {}
     for s in specs:
         entry = profile["backends"].get(s.name, {})
-        have, want = entry.get("max_step_tokens"), getattr(s, "max_step_tokens", None)
+        have, want = entry.get("max_step_tokens"), s.max_step_tokens
         if want and have and want != have:
             raise SimulateError(f"backend {s.name} runs max_step_tokens={want}, its profile was measured under "
                                 f"{have}: profile it again with that budget (`mvllm profile`)")
