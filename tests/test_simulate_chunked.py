@@ -164,7 +164,7 @@ def test_a_profile_under_another_budget_is_refused_and_an_old_one_said():
     from mvllm.simulate.sim import SimulateError, budget_line, step_budgets
 
     profile = {"backends": {"cpu": entry(64), "gpu": {k: v for k, v in entry().items() if k != "chunks"}}}
-    specs = [SimpleNamespace(name="cpu", max_step_tokens=None), SimpleNamespace(name="gpu")]
+    specs = [SimpleNamespace(name="cpu", max_step_tokens=None), SimpleNamespace(name="gpu", max_step_tokens=None)]
     budgets = step_budgets(profile, specs)
     assert budgets == {"cpu": 64, "gpu": None}
     line = budget_line(budgets)
