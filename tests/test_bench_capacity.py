@@ -115,7 +115,8 @@ def test_no_load_meeting_the_slo_names_the_lowest(tmp_path):
     assert "external: no load meets the SLO: even the lowest tried, 2, misses it" in lines[0]
     data = json.loads((tmp_path / "out" / "capacity" / "capacity.json").read_text())
     assert data["complete"] and [len(p["points"]) for p in data["policies"]] == [1]
-    assert data["url"].startswith("http://127.0.0.1:") and data["policies"][0]["points"][0]["share"] == 0.0
+    # below the 99% asked: the stub answers in about a millisecond, yet a loaded host once timed 1 of 6 inside 1 µs
+    assert data["url"].startswith("http://127.0.0.1:") and data["policies"][0]["points"][0]["share"] < 0.99
 
 
 @pytest.mark.serial  # Ctrl-C must land mid-search: a second busy test process lets the search end first
