@@ -21,7 +21,9 @@
 #                                    # depth rows, the trace window predicted from it, then measured (gpu-only, eta);
 #                                    # slo: the load each holds at an SLO, measured (`bench --slo`) from that profile
 #   RUNS=results/capacity/pace bash experiments/h200.sh pace   # the 3x point again (results/capacity/README.md):
-#                                    # the profile (as depth), the prediction, then gpu-only and eta measured
+#                                    # the profile (as depth), the predictions (the 3x point; the load each holds at
+#                                    # the SLO, at 3%), then gpu-only and eta measured at 3x; pace-slo (the next call,
+#                                    # same RUNS): bench --slo at 3% between 0.85x and 1.05x the predicted capacities
 #   bash experiments/h200.sh budget  # the CPU's step budget: a 1,024-token prompt's TTFT against the decodes' worst
 #                                    # gap per max_step_tokens (experiments/probes/step_budget.py, 8 threads)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
@@ -65,7 +67,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != kernel && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != kernel && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -112,7 +114,16 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
               --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
           run 120 predict python3 -m mvllm.cli simulate experiments/trace-conversation-3x.toml --profile "$profile" \
               --policy gpu-only,eta --spread 0 --out "$runs/predicted/trace-conversation-3x"
+          run 120 predict-slo python3 -m mvllm.cli simulate experiments/trace-conversation.toml --profile "$profile" \
+              --policy gpu-only,eta --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 2:6 --tolerance 0.03 \
+              --out "$runs/predicted/trace-conversation-slo"
           pbench 330 trace-conversation-3x trace-conversation-3x 1 gpu-only,eta ;;
+    pace-slo)  # bench --slo at 3% between 0.85x the lower and 1.05x the higher predicted capacity (pace's)
+          loads=$(python3 -c "import json,sys; c=[p['capacity'] for p in json.load(open(sys.argv[1]))['policies']]; \
+print(f'{0.85*min(c):.3f}:{1.05*max(c):.3f}')" "$runs/predicted/trace-conversation-slo/capacity.json")
+          rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
+          run 570 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
+              --policy gpu-only,eta --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads "$loads" --tolerance 0.03 ;;
     budget) run 150 step-budget python3 experiments/probes/step_budget.py --threads 8 --out "$runs/step-budget-cpu.json" ;;
     slo) rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
          run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
