@@ -116,3 +116,31 @@ def test_slo_keeps_a_prefill_off_a_backend_where_it_would_stall_a_short_request_
         return r.route("new", 116, 128, {"gpu": 16, "cpu": 16})
 
     assert place(short=False) == "cpu" and place(short=True) == "gpu"
+
+
+def test_lengths_ends_by_is_the_chance_a_request_ends_within_a_length():
+    from mvllm.routing.lengths import Lengths
+
+    lengths = Lengths(min_finished=4, refit_every=1)
+    assert lengths.ends_by(0, 2048, 10) == 0.0 and lengths.ends_by(0, 10, 10) == 1.0  # no fit: the cap decides
+    for n in (5, 5, 50, 50):
+        lengths.finished(n, stopped=True)
+    assert lengths.ends_by(0, 2048, 10) == pytest.approx(0.5)  # half end at 5
+    assert lengths.ends_by(6, 2048, 10) == 0.0 and lengths.ends_by(6, 2048, 50) == pytest.approx(1.0)
+
+
+def test_slo_keeps_a_long_prefill_off_a_request_that_may_be_short_where_lengths_are_hidden():
+    from mvllm.routing.cost import Booking
+
+    def place(made_short: bool) -> str:
+        r = m2_router()
+        for n in ([4] * 8 + [200] * 8) if made_short else [200] * 16:  # replies seen: half end at 4 tokens
+            r.lengths.finished(n, stopped=True)
+        for i in range(8):  # the GPU queues: its TTFT is past a quarter of the bound
+            r.bookings["gpu"][f"g{i}"] = Booking(f"g{i}", 516, 496, 2048)
+        r.bookings["cpu"]["s"] = Booking("s", 516, 496, 2048, active=True)  # its length is not told
+        r.replayed.clear()
+        return r.route("new", 116, 2048, {"gpu": 16, "cpu": 16})
+
+    # the CPU's 1.4 s prefill of the new prompt would push a 4-token reply past 100 ms a token
+    assert place(made_short=False) == "cpu" and place(made_short=True) == "gpu"

@@ -92,6 +92,21 @@ class Lengths:
             return room
         return max(1, min(room, round((a_cap - self._a(generated)) / s)))
 
+    def ends_by(self, generated: int, cap: int, length: int) -> float:
+        """P(L <= length | L > generated): the chance that a request that made `generated` of its cap ends within
+        `length` tokens in all (1 where the cap does; before a fit, or where lengths are told, the cap is the
+        length)."""
+        if cap <= length:
+            return 1.0
+        if length <= generated or not self.times:
+            return 0.0
+        return 1.0 - self._s(length) / self._s(generated) if self._s(generated) > 0 else 0.0
+
+    def _s(self, t: int) -> float:
+        """S(t) = P(L > t)."""
+        j = bisect_right(self.times, t) - 1
+        return 1.0 if j < 0 else self.surv[j]
+
     def _a(self, x: int) -> float:
         """A(x): the sum of S(t) for t < x."""
         j = bisect_right(self.times, x - 1) - 1

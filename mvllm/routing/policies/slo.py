@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from heapq import heappop
 
+from mvllm.routing.cost import Booking
 from mvllm.routing.eta import Queued, Timing
 from mvllm.routing.policies.eta import ETA_MARGIN, Eta
 
 HEADROOM = 0.1  # a backend "meets" first only with its predicted TTFT and E2E this far inside their bounds
 LIGHT = 0.25  # the GPU is "light" while its predicted TTFT is within this share of the bound
+RISK = 0.05  # a backend takes a prefill whose stall is expected to push at most this many running requests past TPOT
 
 
 def first_token(timing: Timing, q: Queued, prefill: int) -> tuple[float, int]:
@@ -57,10 +59,22 @@ class Slo(Eta):
         super().start(router)
         self.useless = {b for b, t in router.timings.items() if idle_misses(t, self.slo)}
 
+    def _stalls(self, booked, timing: Timing, uncached: int, tpot: float) -> bool:
+        """Its prefill stalls every request running there: one of L tokens in all misses the TPOT bound where
+        step + prefill / (L - 1) > tpot. True where the requests expected to miss so (each one's chance of so
+        short a length, by the router's lengths: certain where lengths are told) are more than RISK."""
+        full = timing.step_s[min(len(booked), timing.max_active) - 1]
+        if full >= tpot:
+            return True
+        short = 1 + int(timing.priced(uncached) / (tpot - full))  # a length at or below this misses
+        lengths = self.router.lengths
+        return sum(lengths.ends_by(x.generated, x.max_tokens, short) for x in booked if x.active) > RISK
+
     def choose(self, alive, candidates, request=None):
         slo = self.slo
         ttft, tpot, e2el = (slo.get(k, float("inf")) / 1000 for k in ("ttft_ms", "tpot_ms", "e2el_ms"))
         keep = 1 - HEADROOM
+        own = self.router.expect("", Booking("", request.prompt_tokens, 0, request.max_tokens))
         light, fits, close = [], [], []
         for b in alive:
             c, timing = candidates[b], self.router.timings[b]
@@ -72,10 +86,13 @@ class Slo(Eta):
             if timing.depth_s:
                 held = sum(x.prompt_tokens + x.generated for x in booked if x.active)
                 step = timing.at_depth(batch, held + request.prompt_tokens - batch * timing.depth_ref)
-            if booked:  # its prefill stalls every request booked there: the shortest's TPOT gains the most
-                shortest = min(x.generated + x.left for x in booked)
-                step = max(step, timing.step_s[min(len(booked), timing.max_active) - 1]
-                           + timing.priced(uncached) / max(shortest - 1, 1))
+            if booked and self._stalls(booked, timing, uncached, tpot):
+                step = float("inf")
+            if booked:
+                # each booked request that ends before this one frees a slot a later request takes: that
+                # prefill (priced as this one's) stalls this request's decode too
+                refills = min(sum(x.left < own for x in booked), timing.max_active - 1)
+                step += refills * timing.priced(uncached) / max(own - 1, 1)
             if step <= tpot and first <= ttft and c.eta <= e2el:
                 close.append(b)
                 if first <= ttft * keep and c.eta <= e2el * keep:
