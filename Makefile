@@ -20,10 +20,11 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 install: $(VENV)/.installed
 
 # the suite on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, so a module's server
-# starts once), then the tests marked serial, alone: they time something that a second busy worker skews
+# starts once; files go out in collection order, the longest first: tests/conftest.py's FIRST), then the tests
+# marked serial, alone: they time something that a second busy worker skews
 TEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(BIN)/python -m pytest -m serial
 
 lint: install

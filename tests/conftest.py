@@ -90,6 +90,18 @@ def prompts(seed: int, lengths: list[int], vocab: int = VOCAB - 1) -> list[list[
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+# The files that take minutes, first: `make test` hands whole files to its two workers in collection order
+# (--dist loadfile --no-loadscope-reorder), so the longest start at once and the two workers end together.
+FIRST = ["test_accuracy_served.py", "test_accuracy.py", "test_mac.py", "test_shutdown.py", "test_server.py",
+         "test_bench.py", "test_package.py", "test_fuzz.py", "test_build.py", "test_bench_capacity.py",
+         "test_faults.py", "test_simulate.py", "test_remote.py", "test_shared_server.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """kind -> (directory, transformers model); built once per session."""
@@ -112,6 +124,14 @@ def smollm2():
     from mvllm import LLM
 
     return LLM("smollm2-135m", device="cpu", dtype="float32", max_active=4)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2):
+    """SmolLM2's float32 logits on the accuracy evaluation text (tests/test_accuracy*.py)."""
+    from mvllm.profile.accuracy import Reference
+
+    return Reference(smollm2.engine.source)
 
 
 @pytest.fixture(scope="session")

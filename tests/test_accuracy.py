@@ -14,15 +14,10 @@ from mvllm.engine import quant
 from mvllm.engine.engine import EngineConfig
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import build_model, resolve
-from mvllm.profile.accuracy import KL_BOUND, MIN_TOKENS, SYNTHETIC_NOTE, Reference, compare, eval_tokens
+from mvllm.profile.accuracy import KL_BOUND, MIN_TOKENS, SYNTHETIC_NOTE, compare, eval_tokens
 
 CPU = torch.device("cpu")
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2):
-    return Reference(smollm2.engine.source)
 
 
 def backend_model(source, dtype: str | None, mode: str | None):
@@ -48,13 +43,21 @@ def test_compare_is_zero_on_itself_and_positive_otherwise():
     assert other["kl_mean"] > 0.1 and other["top1"] < 1.0
 
 
+# (dtype, quant) -> its measurement: "default" resolves to one of the explicit modes, measured once for both
+measured: dict[tuple[str, str], dict] = {}
+
+
 @pytest.mark.parametrize("mode", ["default", "dtype=bfloat16", "quant=int8w", "quant=int8-lossy"])
 def test_accuracy_of_each_cpu_mode(reference, mode):
     if mode != "default" and mode not in quant.cpu_modes():
         pytest.skip(f"{mode} does not run on this machine")
     key, _, value = mode.partition("=")
-    model, dt = backend_model(reference.source, value if key == "dtype" else None, value if key == "quant" else None)
-    got = reference.measure(model, CPU, dt)
+    config = EngineConfig(model="-", dtype=value if key == "dtype" else None, quant=value if key == "quant" else None)
+    config.validate()
+    if (config.dtype, config.quant) not in measured:
+        model, dt = backend_model(reference.source, config.dtype, config.quant)
+        measured[config.dtype, config.quant] = reference.measure(model, CPU, dt)
+    got = measured[config.dtype, config.quant]
     assert set(got) >= {"prefill", "decode", "kl_mean", "top1", "within_bound"}
     if mode == "quant=int8-lossy":
         assert got["kl_mean"] > 0.1 and not got["within_bound"]
@@ -62,24 +65,6 @@ def test_accuracy_of_each_cpu_mode(reference, mode):
         for p in ("prefill", "decode"):
             assert got[p]["kl_mean"] <= KL_BOUND and got[p]["top1"] >= 0.95, got
         assert got["within_bound"]
-
-
-def test_served_path_matches_the_model_path(reference):
-    """The served pass runs the engine's ModelRunner (its dispatch to graphs, compiled or fused steps); on this
-    CPU it must give the logits of the same kernels called directly, and fall back where the cache is small."""
-    from mvllm.engine.engine import Engine
-    from mvllm.profile.accuracy import logits, served_logits
-
-    engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_blocks=48))
-    ids = reference.ids[:200]
-    for chunk in (None, 4):
-        served = served_logits(engine.runner, ids, chunk)
-        direct = logits(engine.model, ids, CPU, torch.float32, chunk, layout=engine.runner.layout)
-        assert torch.allclose(served, direct, atol=1e-4), (served - direct).abs().max()
-    assert reference.measure(engine.model, CPU, torch.float32, runner=engine.runner)["path"] == "served"
-    small = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_blocks=8))
-    got = reference.measure(small.model, CPU, torch.float32, small.runner.layout, small.runner)
-    assert got["path"] == "model" and got["within_bound"]
 
 
 def test_eval_text_errors(smollm2, tiny, tmp_path):

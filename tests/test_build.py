@@ -161,7 +161,8 @@ def test_status_before_any_build():
 def test_apple_clang_falls_back_to_a_build_without_openmp_and_says_so(fake_clang, tmp_path, capsys):
     """Linux's flag sets through a compiler that takes neither -fopenmp nor -march=native: the build falls back
     to -O3 and reports it truthfully (no OpenMP: at::parallel_for on one thread), says so once, and a fresh
-    process loads the cached build without compiling anything."""
+    process loads the cached build without compiling anything, also from a copy of the source at another path
+    (another checkout)."""
     log, env = fake_clang
     source = tiny_source(tmp_path, "mvllm_test_fallback")
     b = build.build("mvllm_test_fallback", source)
@@ -181,6 +182,16 @@ def test_apple_clang_falls_back_to_a_build_without_openmp_and_says_so(fake_clang
     assert again["ok"] and again["flags"] == ["-O3"] and again["cached"] and not again["openmp"]
     assert all(t["cached"] for t in again["tried"]) and len(again["tried"]) == 3
     assert compiles(calls(log)[before:]) == [] and "mvllm:" not in stderr
+
+    elsewhere = tmp_path / "checkout2" / source.name
+    elsewhere.parent.mkdir()
+    shutil.copy(source, elsewhere)
+    ninja = sorted((tmp_path / "cache" / "ext").glob("*/build.ninja"))
+    written = [f.stat().st_mtime_ns for f in ninja]
+    again, stderr = in_fresh_process(env, "mvllm_test_fallback", elsewhere)
+    assert again["ok"] and again["flags"] == ["-O3"] and again["cached"]
+    assert compiles(calls(log)[before:]) == [] and "mvllm:" not in stderr
+    assert [f.stat().st_mtime_ns for f in ninja] == written  # ninja not run: its build file names the old path
 
 
 @needs_gcc

@@ -15,7 +15,9 @@ so tests can stand in for a Mac):
 Each attempt lands in $MVLLM_CACHE/ext/<torch version>-<key>/, the key hashing the compiler (the CXX string and
 the first line of its --version), the flags, the source and the headers beside it (csrc/*.h: the kernels that
 fused.cpp, int8_linear.cpp and layers.cpp share) and this CPU's features (a -march=native build runs
-only on CPUs like the one that built it).
+only on CPUs like the one that built it). A directory that already holds the built library is loaded from
+without running ninja, so checkouts at different paths share one build (cpp_extension's build file names the
+source by its path, and ninja would rebuild for each checkout in turn).
 
 A flag set that fails leaves `failed.json` in its directory: the compiler's first error line, the flags, the
 compiler and the build log's tail. Every later process (the server, each worker, the next run) reads that
@@ -317,7 +319,11 @@ def build(name: str, source: str | os.PathLike) -> Build:
             stale = directory / "lock"  # cpp_extension's own lock, left by a process killed mid-build
             stale.unlink(missing_ok=True)  # nobody else builds here: we hold the kernel's lock
             ext = f"{name}_{directory.name[-8:]}"
-            up_to_date = (directory / f"{ext}{getattr(cpp_extension, 'LIB_EXT', '.so')}").exists()
+            library = directory / f"{ext}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+            if library.exists() and _load_built(library):
+                result = Build(name, True, list(flags.cflags), list(flags.ldflags), flags.openmp, "", compiler_id,
+                               True, tried)
+                break
             try:
                 cpp_extension.load(name=ext, sources=[str(src)],
                                    extra_cflags=list(flags.cflags), extra_ldflags=list(flags.ldflags),
@@ -328,7 +334,7 @@ def build(name: str, source: str | os.PathLike) -> Build:
                 tried.append({"flags": list(flags.cflags), "error": error, "cached": False})
                 continue
             result = Build(name, True, list(flags.cflags), list(flags.ldflags), flags.openmp, "", compiler_id,
-                           up_to_date, tried)
+                           False, tried)
             break
     if result is not None:
         _results[name] = result
@@ -346,6 +352,18 @@ def build(name: str, source: str | os.PathLike) -> Build:
         _say(f"mvllm: {kernel.label} did not build ({result.error}); {kernel.fallback}. Not retried until the "
              f"compiler, flags, source or torch change (the log: {last_marker}; delete it to retry)")
     raise BuildError(result, src.name)
+
+
+def _load_built(library: Path) -> bool:
+    """Load a library already built in its keyed directory, without ninja: the key covers everything the
+    build reads, so it is this build whichever checkout compiled it (ninja would rebuild it for each checkout,
+    its build file naming the source by path). False where it does not load (then it is built again)."""
+    try:
+        torch.ops.load_library(str(library))
+        return True
+    except OSError:
+        library.unlink(missing_ok=True)
+        return False
 
 
 def _write_marker(path: Path, error: str, flags: FlagSet, compiler_id: str, source: Path, log: str) -> None:
