@@ -121,10 +121,11 @@ def test_no_load_meeting_the_slo_names_the_lowest(tmp_path):
 
 @pytest.mark.serial  # Ctrl-C must land mid-search: a second busy test process lets the search end first
 def test_ctrl_c_keeps_the_points_measured(tmp_path):
+    """Ctrl-C mid-search (each point of 6 requests at 1-2/s lasts seconds, so the signal lands inside the search)."""
     path = tmp_path / "out" / "capacity" / "capacity.json"
     with StubServer() as stub:
         proc = subprocess.Popen([sys.executable, "-m", "mvllm.cli", "bench", str(_exp(tmp_path, STUB)), "--url",
-                                 stub.url, "--out", str(tmp_path / "out"), "--slo", "ttft:10000", "--loads", "5:10",
+                                 stub.url, "--out", str(tmp_path / "out"), "--slo", "ttft:10000", "--loads", "1:2",
                                  "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         deadline = time.monotonic() + 120
