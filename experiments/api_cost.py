@@ -47,6 +47,13 @@ def children(pid: int) -> list[int]:
     return [int(x) for task in Path(f"/proc/{pid}/task").glob("*/children") for x in task.read_text().split()]
 
 
+def cpu_model() -> str | None:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
@@ -111,6 +118,7 @@ def main() -> None:
     sides = args.sides.split(",")
     if not set(sides) <= {"before", "after"} or not sides:
         raise SystemExit(f"--sides: before, after or both, got {args.sides!r}")
+    load0 = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="api-cost-"))
@@ -149,6 +157,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "host_cores": os.cpu_count(),
+              "cpu": cpu_model(), "load_average": [load0, os.getloadavg()],
               "model": args.model, "backends": args.backends, "concurrency": args.concurrency, "output": args.output,
               "prompt": args.prompt, "repeats": args.repeats, **{s.name: s.result() for s in made}}
     line = "; ".join(f"{s.name} ({s.commit}) {result[s.name]['median_api_us_per_token']:.2f} us API CPU a token, "

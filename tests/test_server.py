@@ -290,7 +290,8 @@ def test_openai_client_streams_completion_and_chat(tmp_path, chat_model):
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True}))
         assert chunks[-1].usage.completion_tokens == 8
-        assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason is None) == 8
+        tokens = [c.choices[0].model_extra["token_ids"] for c in chunks if c.choices and not c.choices[0].finish_reason]
+        assert sum(map(len, tokens)) == 8 and all(tokens)  # a chunk carries each token that arrived since the last
         stream = client.chat.completions.create(
             model=chat_model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -304,3 +305,22 @@ def test_openai_client_streams_completion_and_chat(tmp_path, chat_model):
         assert whole.choices[0].message.content == text
     finally:
         server.stop()
+
+
+def test_a_token_chunk_is_made_from_cached_bytes_as_the_whole_body_would_be():
+    """Shape.token_line writes what line(chunk(...)) would, byte for byte: any text, any ids, a changed backend."""
+    import random
+
+    import orjson
+
+    from mvllm.server.app import Shape
+
+    rng = random.Random(0)
+    for chat in (False, True):
+        shape = Shape('cmpl-"text":""', 'm"delta":{}', "gpu", chat)
+        for i in range(200):
+            text = "".join(rng.choice(["a", '"', "\\", "é", "\n", "\u2028", "😀", ""]) for _ in range(rng.randrange(5)))
+            ids = [rng.randrange(200_000) for _ in range(rng.randrange(4))]
+            if i == 100:
+                shape.backend = "cpu"
+            assert shape.token_line(text, ids) == b"data: " + orjson.dumps(shape.chunk(text, ids, None)) + b"\n\n"

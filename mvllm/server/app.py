@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from mvllm.engine.params import SamplingParams, check_budget, check_prompt
@@ -108,8 +107,7 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
         shape = Shape(rid, model_name, backend, chat)
         headers = {"x-mvllm-backend": backend, "x-request-id": rid}
         if body.stream:
-            return StreamingResponse(sse(run, shape, body.include_usage), media_type="text/event-stream",
-                                     headers=headers)
+            return EventStream(run, shape, body.include_usage, headers)
         await until_done(run, request)
         if run.error:
             return error(500 if run.tokens else 503, run.error, kind="server_error", code="backend_failed")
@@ -178,10 +176,11 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
 
 
 class Run:
-    """One request in flight: collects tokens and text deltas from its backend's events."""
+    """One request in flight: takes its tokens from its stream, and turns them into text."""
 
     def __init__(self, cluster: Cluster, tokenizer: Tokenizer, rid, backend, token_ids, params, arrival):
         self.cluster, self.rid, self.backend, self.params, self.arrival = cluster, rid, backend, params, arrival
+        self.stream = cluster.streams[rid]
         self.prompt_tokens = len(token_ids)
         self.detok = Detokenizer(tokenizer, params.stop)
         self.tokens: list[int] = []
@@ -190,37 +189,48 @@ class Run:
         self.finish_reason: str | None = None
         self.error: str | None = None
 
-    async def deltas(self) -> AsyncIterator[list[tuple[str, list[int]]]]:
-        """Yield (text delta, new token ids) pairs, a list of all that arrived at once, until the request ends."""
-        async for events in self.cluster.events(self.rid):
-            out: list[tuple[str, list[int]]] = []
-            for ev in events:
-                if ev.backend is not None:
-                    self.backend = ev.backend
-                if ev.cached_tokens is not None:
-                    self.cached = ev.cached_tokens
-                if ev.error:
-                    self.error = ev.error
+    async def next(self) -> tuple[str, list[int]] | None:
+        """The text and the token ids that arrived since the last call, all at once (a response that fell behind
+        its backend catches up in one chunk); None once the request has ended and everything was taken. An
+        ending ends the request's stream (a stop string: abort it on its backend)."""
+        if self.finish_reason or self.error:
+            return None
+        stream = self.stream
+        ids = await stream.take()
+        if stream.backend is not None:
+            self.backend = stream.backend
+        if stream.cached_tokens is not None:
+            self.cached = stream.cached_tokens
+        text = ""
+        if ids:
+            self.first_token = self.first_token or time.time()
+            last, add = len(ids) - 1, self.detok.add
+            ended = stream.ended and stream.error is None
+            for i, token in enumerate(ids):
+                piece, stopped = add(token, final=ended and i == last)
+                text += piece
+                if stopped:
+                    ids = ids[:i + 1]
+                    self.finish_reason = "stop"
                     break
-                if ev.token is not None:
-                    self.first_token = self.first_token or time.time()
-                    self.tokens.append(ev.token)
-                    text, stopped = self.detok.add(ev.token, final=ev.finish_reason is not None)
-                    out.append((text, [ev.token]))
-                    if stopped:
-                        self.finish_reason = "stop"
-                        break
-                if ev.finish_reason:
-                    self.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
-                    if ev.token is None and (held := self.detok.flush()):
-                        out.append((held, []))
-                    break
-            if out:
-                yield out
-            if self.error or self.finish_reason:
-                if self.finish_reason:
-                    self._observe()
-                return  # leaving the stream early (a stop string) aborts the request on its backend
+            self.tokens += ids
+        if not self.finish_reason and stream.ended:
+            if stream.error:
+                self.error = stream.error
+            else:
+                self.finish_reason = stream.finish_reason if stream.finish_reason in ("length", "abort") else "stop"
+                if not ids:
+                    text += self.detok.flush()
+        if self.finish_reason or self.error:
+            self.cluster.leave(self.rid, stream.ended)
+            if self.finish_reason:
+                self._observe()
+        return (text, ids) if ids or text else None
+
+    def close(self) -> None:
+        """Its response is over: a request that has not ended is aborted (its client went away)."""
+        if not (self.finish_reason or self.error):
+            self.cluster.leave(self.rid, False)
 
     def _observe(self) -> None:
         now = time.time()
@@ -241,6 +251,7 @@ class Shape:
         self.rid, self.model, self.backend, self.chat = rid, model, backend, chat
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self._pieces: tuple[str, bytes, bytes, bytes] | None = None  # (backend, the bytes around text and ids)
 
     def _body(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -266,44 +277,111 @@ class Shape:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "token_ids": ids}
         return self._body(obj, [choice])
 
+    def token_line(self, text: str, ids: list[int]) -> bytes:
+        """The SSE event of a chunk of tokens, `line(self.chunk(text, ids, None))`, byte for byte: the bytes around
+        the text and the ids are made once (again if the backend changes), so a token costs two small dumps."""
+        if self._pieces is None or self._pieces[0] != self.backend:
+            empty = b"data: " + orjson.dumps(self.chunk("", [], None)) + b"\n\n"
+            if self.chat:
+                at = empty.index(b'"delta":{}') + 8
+                self._pieces = (self.backend, empty[:at], empty[at + 2:], b"")
+            else:
+                at, ids_at = empty.index(b'"text":""') + 7, empty.index(b'"token_ids":[]') + 12
+                self._pieces = (self.backend, empty[:at], empty[at + 2:ids_at], empty[ids_at + 2:])
+        _, head, middle, tail = self._pieces
+        if self.chat:
+            return head + (b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}") + middle
+        return head + orjson.dumps(text) + middle + orjson.dumps(ids) + tail
+
 
 async def until_done(run: Run, request: Request) -> None:
     """Run a non-streaming request to its end; a client that hangs up aborts it."""
 
     async def drain():
-        async for _ in run.deltas():
+        while await run.next() is not None:
             pass
 
     task = asyncio.ensure_future(drain())
-    while not task.done():
-        await asyncio.wait([task], timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            break
     try:
-        await task
-    except asyncio.CancelledError:
-        pass
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                break
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    finally:
+        run.close()
 
 
-async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
-    """The response's body: one event per token, and the events of all the tokens that arrived since the last
-    write in one write (a response that falls behind its backend catches up at the cost of one write)."""
-    def line(payload: dict) -> bytes:
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
+SERVER_SEND = "mvllm.server_send"  # the scope key under which `direct_send` keeps the server's own send
 
-    if shape.chat:
-        yield line(shape.chunk(None, [], None, role=True))
-    async for deltas in run.deltas():
+
+def direct_send(app):
+    """The ASGI app `serve` hands uvicorn: `app`, with the server's own `send` kept in each request's scope, so a
+    stream writes its chunks to it without passing each through every middleware's wrapper of it."""
+    async def asgi(scope, receive, send):
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await app(scope, receive, send)
+
+    return asgi
+
+
+class EventStream(Response):
+    """A streamed response (server-sent events): one event for all the tokens that arrived since the last write
+    (a response that falls behind its backend catches up in one event, carrying several tokens), then the final
+    chunk, usage where asked, and [DONE]. A client that hangs up ends the stream, and aborts its request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, run: Run, shape: Shape, include_usage: bool, headers: dict):
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)  # no body: no content-length (chunked)
+        self.run, self.shape, self.include_usage = run, shape, include_usage
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        body = asyncio.ensure_future(self.write(scope.get(SERVER_SEND, send)))
+        gone = asyncio.ensure_future(hung_up(receive))
+        try:
+            await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not body.done():
+                body.cancel()
+                await asyncio.gather(body, return_exceptions=True)
+            self.run.close()
+        if not body.cancelled() and body.exception() is not None:
+            raise body.exception()
+
+    async def write(self, send) -> None:
+        run, shape = self.run, self.shape
+
+        def line(payload: dict) -> dict:
+            return {"type": "http.response.body", "body": b"data: " + orjson.dumps(payload) + b"\n\n",
+                    "more_body": True}
+
+        if shape.chat:
+            await send(line(shape.chunk(None, [], None, role=True)))
+        while (delta := await run.next()) is not None:
+            shape.backend = run.backend
+            await send({"type": "http.response.body", "body": shape.token_line(*delta), "more_body": True})
         shape.backend = run.backend
-        yield b"".join([line(shape.chunk(text, ids, None)) for text, ids in deltas])
-    shape.backend = run.backend
-    if run.error:
-        yield line({"error": {"message": run.error, "type": "server_error", "param": None,
-                              "code": "backend_failed"}})
-    else:
-        yield line(shape.chunk(None, [], run.finish_reason))
-    if include_usage:
-        yield line({**shape._body(shape.object + ".chunk" if shape.chat else shape.object, []),
-                    "usage": run.usage()})
-    yield b"data: [DONE]\n\n"
+        if run.error:
+            await send(line({"error": {"message": run.error, "type": "server_error", "param": None,
+                                       "code": "backend_failed"}}))
+        else:
+            await send(line(shape.chunk(None, [], run.finish_reason)))
+        if self.include_usage:
+            await send(line({**shape._body(shape.object + ".chunk" if shape.chat else shape.object, []),
+                             "usage": run.usage()}))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def hung_up(receive) -> None:
+    """Return when the client has disconnected."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

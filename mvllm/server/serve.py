@@ -17,7 +17,7 @@ from mvllm.routing.policies.registry import is_known
 from mvllm.routing.policies.slo import idle_misses
 from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
-from mvllm.server.app import build_app
+from mvllm.server.app import build_app, direct_send
 from mvllm.server.cluster import Cluster
 from mvllm.slo import parse_slo
 
@@ -117,7 +117,7 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
                           for s in specs if s.name not in cluster.start_errors)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+        config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30)
         GracefulServer(config, cluster, shutdown_timeout, console).run()
     finally:
