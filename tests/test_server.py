@@ -324,3 +324,20 @@ def test_a_token_chunk_is_made_from_cached_bytes_as_the_whole_body_would_be():
             if i == 100:
                 shape.backend = "cpu"
             assert shape.token_line(text, ids) == b"data: " + orjson.dumps(shape.chunk(text, ids, None)) + b"\n\n"
+
+
+def test_prompt_checks_take_every_id_in_the_vocabulary_and_refuse_the_rest():
+    from mvllm.engine.params import check_prompt
+    from mvllm.errors import InvalidRequestError
+    from mvllm.model.tokenizer import Tokenizer
+
+    check_prompt([0, 511, 7], 512, 2048)
+    for ids, message in [([0, 512], "outside the vocabulary"), ([-1, 3], "outside the vocabulary"), ([], "empty"),
+                         (list(range(10)), "context is 10")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            check_prompt(ids, 512, 10 if len(ids) == 10 else 2048)
+    tokenizer = Tokenizer(None, MODEL)
+    assert tokenizer.encode([3, 4]) == [3, 4]
+    for bad in ([1, True], [1, 2.0], [1, "2"]):
+        with pytest.raises(InvalidRequestError, match="integer token ids"):
+            tokenizer.encode(bad)
