@@ -97,3 +97,17 @@ def test_an_abort_frees_its_slot(server):
     snap = httpx.get(f"{server.url}/v1/backends", timeout=10).json()[0]
     assert (snap["device"], snap["running"], snap["waiting"], snap["booked_active"]) == ("null", 0, 0, 0)
     assert snap["pid"] != server.proc.pid and os.path.exists(f"/proc/{snap['pid']}")
+
+
+def test_a_stream_arrives_whole_and_in_order_however_slowly_it_is_read(server):
+    """The step's loop writes tokens straight to the socket where it can, the response's task where it cannot:
+    a client that reads late still gets every token once, in order."""
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "stream": True}
+    ids = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i in (2, 40):
+                time.sleep(0.5)  # 25 steps' tokens wait for the reader
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0]["token_ids"]
+    assert ids == ([5, 6, 7] * 34)[:100]

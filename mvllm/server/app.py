@@ -195,8 +195,20 @@ class Run:
         ending ends the request's stream (a stop string: abort it on its backend)."""
         if self.finish_reason or self.error:
             return None
+        return self.digest(await self.stream.take())
+
+    def poll(self) -> tuple[str, list[int]] | None:
+        """next's answer from what the stream holds now, without waiting (None also where it holds nothing)."""
+        if self.finish_reason or self.error or not (self.stream.tokens or self.stream.ended):
+            return None
+        ids, self.stream.tokens = self.stream.tokens, []
+        return self.digest(ids)
+
+    def digest(self, ids: list[int]) -> tuple[str, list[int]] | None:
+        """The text of these tokens and the ids up to any stop string; at the stream's end, the request's."""
+        if self.finish_reason or self.error:  # it ended meanwhile (push took its last tokens)
+            return None
         stream = self.stream
-        ids = await stream.take()
         if stream.backend is not None:
             self.backend = stream.backend
         if stream.cached_tokens is not None:
@@ -333,7 +345,9 @@ def direct_send(app):
 class EventStream(Response):
     """A streamed response (server-sent events): one event for all the tokens that arrived since the last write
     (a response that falls behind its backend catches up in one event, carrying several tokens), then the final
-    chunk, usage where asked, and [DONE]. A client that hangs up ends the stream, and aborts its request."""
+    chunk, usage where asked, and [DONE]. Tokens are written by the step's loop itself (`push`) where the socket
+    allows (`Socket`), else by `write`'s task through send. A client that hangs up ends the stream, and aborts its
+    request."""
 
     media_type = "text/event-stream"
 
@@ -349,6 +363,7 @@ class EventStream(Response):
         try:
             await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self.run.stream.push = None
             gone.cancel()
             if not body.done():
                 body.cancel()
@@ -366,9 +381,17 @@ class EventStream(Response):
 
         if shape.chat:
             await send(line(shape.chunk(None, [], None, role=True)))
+        self.socket = Socket.of(send)
+        if self.socket is not None:
+            run.stream.push = self.push
         while (delta := await run.next()) is not None:
             shape.backend = run.backend
-            await send({"type": "http.response.body", "body": shape.token_line(*delta), "more_body": True})
+            self.sending = True
+            try:
+                await send({"type": "http.response.body", "body": shape.token_line(*delta), "more_body": True})
+            finally:
+                self.sending = False
+        run.stream.push = None
         shape.backend = run.backend
         if run.error:
             await send(line({"error": {"message": run.error, "type": "server_error", "param": None,
@@ -379,6 +402,51 @@ class EventStream(Response):
             await send(line({**shape._body(shape.object + ".chunk" if shape.chat else shape.object, []),
                              "usage": run.usage()}))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    sending = False  # write is awaiting a send: push leaves the tokens to it (their order)
+    socket: Socket | None = None
+
+    def push(self) -> None:
+        """Tokens arrived (the step's loop calls this): write them now, straight to the socket, where it takes
+        them and no send is under way; else wake write, which sends them (in one event, with any that follow)."""
+        run, stream = self.run, self.run.stream
+        if self.sending or not self.socket.ready():
+            stream.wake()
+            return
+        try:
+            delta = run.poll()
+            if delta is not None:
+                self.shape.backend = run.backend
+                self.socket.write(self.shape.token_line(*delta))
+        except Exception:  # noqa: BLE001 -- write's own path takes over, and raises it where it belongs
+            stream.push = None
+        if run.finish_reason or run.error or stream.push is None:
+            stream.wake()  # write ends the response
+
+
+class Socket:
+    """A response's socket under uvicorn's httptools server, for writes from the step's loop: the body's chunks
+    framed as its send frames them (chunked), written only while the transport takes them (no flow control held
+    back) and the client is there. Other servers: None, and every chunk goes through send."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle):
+        self.cycle = cycle
+
+    @classmethod
+    def of(cls, send) -> Socket | None:
+        cycle = getattr(send, "__self__", None)
+        if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or cycle.chunked_encoding is not True:
+            return None
+        return cls(cycle)
+
+    def ready(self) -> bool:
+        c = self.cycle
+        return not (c.flow.write_paused or c.disconnected or c.response_complete)
+
+    def write(self, data: bytes) -> None:
+        self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
 async def hung_up(receive) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from mvllm.backends.base import Backend, spawn
@@ -46,9 +46,10 @@ class ShuttingDownError(MvllmError):
 
 class Stream:
     """A request's mailbox, one slot: the tokens its backend sent since its response last took them, and how the
-    request ended. A response that falls behind its backend takes all its tokens at once, in one chunk."""
+    request ended. A response that falls behind its backend takes all its tokens at once, in one chunk. `push`,
+    where its response sets one, is called as tokens arrive, in the step's loop: it may write them at once."""
 
-    __slots__ = ("tokens", "ended", "finish_reason", "error", "cached_tokens", "backend", "waiter")
+    __slots__ = ("tokens", "ended", "finish_reason", "error", "cached_tokens", "backend", "waiter", "push")
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -58,13 +59,17 @@ class Stream:
         self.cached_tokens: int | None = None
         self.backend: str | None = None  # the request moved to this backend (its first one died before it began)
         self.waiter: asyncio.Future | None = None
+        self.push: Callable[[], None] | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def end(self, finish_reason: str | None = None, error: str | None = None) -> None:
         """The first end counts; tokens sent after it are dropped."""
         if not self.ended:
             self.ended, self.finish_reason, self.error = True, finish_reason, error
-            if self.waiter is not None and not self.waiter.done():
-                self.waiter.set_result(None)
+            self.wake()
 
     async def take(self) -> list[int]:
         """The tokens that arrived since the last take, once there is one or the request has ended."""
@@ -188,6 +193,8 @@ class Cluster:
                 stream.tokens.append(token)
                 if reason:
                     stream.end(reason)
+                if stream.push is not None:
+                    stream.push()
                 elif stream.waiter is not None and not stream.waiter.done():
                     stream.waiter.set_result(None)
             if reason:
