@@ -47,9 +47,10 @@ class ShuttingDownError(MvllmError):
 class Stream:
     """A request's mailbox, one slot: the tokens its backend sent since its response last took them, and how the
     request ended. A response that falls behind its backend takes all its tokens at once, in one chunk. `push`,
-    where its response sets one, is called as tokens arrive, in the step's loop: it may write them at once."""
+    where its response sets one, is called once the steps that arrived together have been taken in: it may write
+    their tokens at once."""
 
-    __slots__ = ("tokens", "ended", "finish_reason", "error", "cached_tokens", "backend", "waiter", "push")
+    __slots__ = ("tokens", "ended", "finish_reason", "error", "cached_tokens", "backend", "waiter", "push", "pushing")
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -60,6 +61,7 @@ class Stream:
         self.backend: str | None = None  # the request moved to this backend (its first one died before it began)
         self.waiter: asyncio.Future | None = None
         self.push: Callable[[], None] | None = None
+        self.pushing = False  # a push is due (Cluster._push)
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -105,6 +107,7 @@ class Cluster:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: set[asyncio.Task] = set()  # re-routes and restarts under way
+        self.pushes: list[Stream] = []  # streams with tokens to push once the steps in hand are in
         self.id_base, self.ids = secrets.token_hex(4), itertools.count()  # request ids: 16 hex digits
 
     def wait_ready(self, timeout: float) -> None:
@@ -184,19 +187,23 @@ class Cluster:
                 raise TypeError(f"backend {name} sent {event!r}, which is no event")
 
     def _tokens(self, name: str, tokens: list[tuple[str, int, str | None]]) -> None:
-        """One step's tokens, in one loop: each to its stream (a stream waiting for one wakes once), the router's
-        bookkeeping in one call for the step."""
-        streams, unstarted, ended = self.streams, self.unstarted, []
+        """One step's tokens, in one loop: each to its stream (a stream waiting for one wakes once; one that pushes
+        does once the steps in hand are in), the router's bookkeeping in one call for the step."""
+        streams, unstarted, ended, pushes = self.streams, self.unstarted, [], self.pushes
         for rid, token, reason in tokens:
             stream = streams.get(rid)
             if stream is not None and not stream.ended:
                 stream.tokens.append(token)
+                if stream.push is not None:
+                    if not stream.pushing:
+                        if not pushes:  # after the steps already waiting on the loop: a lagging server merges them
+                            self.loop.call_soon(self._push)
+                        stream.pushing = True
+                        pushes.append(stream)
+                elif not reason and stream.waiter is not None and not stream.waiter.done():
+                    stream.waiter.set_result(None)
                 if reason:
                     stream.end(reason)
-                if stream.push is not None:
-                    stream.push()
-                elif stream.waiter is not None and not stream.waiter.done():
-                    stream.waiter.set_result(None)
             if reason:
                 ended.append((rid, reason))
         if unstarted:
@@ -206,6 +213,15 @@ class Cluster:
         self.router.on_step_tokens(name, [rid for rid, _, _ in tokens])
         for rid, reason in ended:
             self.router.on_finished(name, rid, reason)
+
+    def _push(self) -> None:
+        pushes, self.pushes = self.pushes, []
+        for stream in pushes:
+            stream.pushing = False
+            if stream.push is not None:
+                stream.push()
+            else:
+                stream.wake()
 
     def _ended(self, name: str, rid: str, reason: str | None = None, error: str | None = None) -> None:
         self.unstarted.pop(rid, None)
