@@ -111,3 +111,10 @@ def test_a_stream_arrives_whole_and_in_order_however_slowly_it_is_read(server):
             if line.startswith("data: {"):
                 ids += json.loads(line[6:])["choices"][0]["token_ids"]
     assert ids == ([5, 6, 7] * 34)[:100]
+
+
+def test_neither_the_api_process_nor_the_null_worker_loads_torch(server):
+    pid = httpx.get(f"{server.url}/v1/backends", timeout=10).json()[0]["pid"]
+    for p in (server.proc.pid, pid):
+        with open(f"/proc/{p}/maps") as f:
+            assert "libtorch" not in f.read(), p
