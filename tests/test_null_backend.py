@@ -118,3 +118,14 @@ def test_neither_the_api_process_nor_the_null_worker_loads_torch(server):
     for p in (server.proc.pid, pid):
         with open(f"/proc/{p}/maps") as f:
             assert "libtorch" not in f.read(), p
+
+
+def test_a_null_backend_takes_no_core_from_a_cpu_backend_and_env_describes_it():
+    from mvllm import machine
+    from mvllm.backends.spec import share_cores
+    from mvllm.env import backend_facts
+
+    specs = parse_backends("gpu=null/step_ms=4,cpu=cpu")
+    share_cores(specs)
+    assert specs[0].threads is None and specs[1].threads == machine.compute_cores()[0]
+    assert backend_facts(specs[0]) == {"device": "null", "null": True, "max_active": 4, "step_ms": 4.0}

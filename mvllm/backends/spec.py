@@ -284,7 +284,8 @@ def share_cores(specs: list[BackendSpec]) -> None:
     count split what the GPU workers (one thread each) leave of the compute cores (on Apple silicon the
     performance cores: machine.compute_cores). `profile` applies the same split, so a backend is measured
     with the threads it will be served with."""
-    local = [s for s in specs if not s.remote]  # a remote backend's threads are another machine's
+    local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
+    # backend computes nothing
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
     others = len(local) - len([s for s in local if s.device == "cpu"])
     cores = machine.compute_cores()[0]
