@@ -313,7 +313,7 @@ def test_a_token_chunk_is_made_from_cached_bytes_as_the_whole_body_would_be():
 
     import orjson
 
-    from mvllm.server.app import Shape
+    from mvllm.server.stream import Shape
 
     rng = random.Random(0)
     for chat in (False, True):

@@ -17,8 +17,9 @@ from mvllm.routing.policies.registry import is_known
 from mvllm.routing.policies.slo import idle_misses
 from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
-from mvllm.server.app import build_app, direct_send
+from mvllm.server.app import build_app
 from mvllm.server.cluster import Cluster
+from mvllm.server.stream import direct_send
 from mvllm.slo import parse_slo
 
 console = Console(stderr=True, soft_wrap=True)
