@@ -341,3 +341,27 @@ def test_prompt_checks_take_every_id_in_the_vocabulary_and_refuse_the_rest():
     for bad in ([1, True], [1, 2.0], [1, "2"]):
         with pytest.raises(InvalidRequestError, match="integer token ids"):
             tokenizer.encode(bad)
+
+
+def test_tokens_go_straight_to_the_socket_only_under_the_server_that_was_checked():
+    """Socket.of: uvicorn's httptools cycle with a chunked response, else None (every chunk through send)."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    from mvllm.server.stream import Socket
+
+    async def send(message):
+        pass
+
+    class Cycle:
+        chunked_encoding, transport, flow, disconnected, response_complete = True, None, None, False, False
+
+        async def send(self, message):
+            pass
+
+    assert Socket.of(send) is None and Socket.of(Cycle().send) is None
+    cycle = RequestResponseCycle.__new__(RequestResponseCycle)
+    cycle.chunked_encoding, cycle.transport, cycle.flow, cycle.disconnected, cycle.response_complete = (
+        True, None, None, False, False)
+    assert isinstance(Socket.of(cycle.send), Socket)
+    cycle.chunked_encoding = False  # a sized body: not ours to frame
+    assert Socket.of(cycle.send) is None

@@ -258,7 +258,7 @@ class EventStream(Response):
             if delta is not None:
                 self.shape.backend = run.backend
                 self.socket.write(self.shape.token_line(*delta))
-        except Exception:  # noqa: BLE001 -- write's own path takes over, and raises it where it belongs
+        except Exception:  # noqa: BLE001 -- push stops here; the response's task takes over from what is left
             stream.push = None
         if run.finish_reason or run.error or stream.push is None:
             stream.wake()  # write ends the response
@@ -277,8 +277,10 @@ class Socket:
     @classmethod
     def of(cls, send) -> Socket | None:
         cycle = getattr(send, "__self__", None)
-        if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or cycle.chunked_encoding is not True:
-            return None
+        if (type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl"
+                or getattr(cycle, "chunked_encoding", None) is not True
+                or not all(hasattr(cycle, a) for a in ("transport", "flow", "disconnected", "response_complete"))):
+            return None  # not the server this was written against: every chunk through send
         return cls(cycle)
 
     def ready(self) -> bool:
