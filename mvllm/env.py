@@ -143,6 +143,8 @@ def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None)
     model's config (default: the default model's shapes), which sizes a CUDA backend's default max_active."""
     if spec.remote:
         return {"device": spec.device, "remote": True, "max_active": spec.max_active}
+    if spec.null:
+        return {"device": spec.device, "null": True, "max_active": spec.max_active, "step_ms": spec.step_ms}
     config = spec.engine_config("-")
     config.validate()
     device = torch.device(config.device)
@@ -188,6 +190,10 @@ def render(facts: dict) -> str:
     for name, f in facts["backends"].items():
         if f.get("remote"):
             lines.append(f"  {name:<10}  {f['device']}: a remote server, measured over HTTP")
+            continue
+        if f.get("null"):
+            lines.append(f"  {name:<10}  null: no model, a token a running request every {f['step_ms'] or 10:g} ms, "
+                         f"max_active {f['max_active']}")
             continue
         mode = f"{f['dtype']}" + ("" if f["quant"] == "none" else f" {f['quant']}")
         head = (f"  {name:<10}  {f['device']}: {mode}, {f['threads']} thread(s), max_active {f['max_active']} "

@@ -179,8 +179,11 @@ def test_index_in_the_server_equals_each_worker_through_restart_reset_and_evicti
     async def serve(prompts: list[list[int]]) -> None:
         async def one(p):
             rid, _ = await cluster.submit(p, SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True))
-            async for events in cluster.events(rid):
-                assert all(event.error is None for event in events)
+            stream = cluster.streams[rid]
+            while not stream.ended:
+                await stream.take()
+            assert stream.error is None
+            cluster.leave(rid, True)
 
         await asyncio.gather(*(one(p) for p in prompts))
 

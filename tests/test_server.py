@@ -290,7 +290,8 @@ def test_openai_client_streams_completion_and_chat(tmp_path, chat_model):
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True}))
         assert chunks[-1].usage.completion_tokens == 8
-        assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason is None) == 8
+        tokens = [c.choices[0].model_extra["token_ids"] for c in chunks if c.choices and not c.choices[0].finish_reason]
+        assert sum(map(len, tokens)) == 8 and all(tokens)  # a chunk carries each token that arrived since the last
         stream = client.chat.completions.create(
             model=chat_model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -304,3 +305,63 @@ def test_openai_client_streams_completion_and_chat(tmp_path, chat_model):
         assert whole.choices[0].message.content == text
     finally:
         server.stop()
+
+
+def test_a_token_chunk_is_made_from_cached_bytes_as_the_whole_body_would_be():
+    """Shape.token_line writes what line(chunk(...)) would, byte for byte: any text, any ids, a changed backend."""
+    import random
+
+    import orjson
+
+    from mvllm.server.stream import Shape
+
+    rng = random.Random(0)
+    for chat in (False, True):
+        shape = Shape('cmpl-"text":""', 'm"delta":{}', "gpu", chat)
+        for i in range(200):
+            text = "".join(rng.choice(["a", '"', "\\", "é", "\n", "\u2028", "😀", ""]) for _ in range(rng.randrange(5)))
+            ids = [rng.randrange(200_000) for _ in range(rng.randrange(4))]
+            if i == 100:
+                shape.backend = "cpu"
+            assert shape.token_line(text, ids) == b"data: " + orjson.dumps(shape.chunk(text, ids, None)) + b"\n\n"
+
+
+def test_prompt_checks_take_every_id_in_the_vocabulary_and_refuse_the_rest():
+    from mvllm.engine.params import check_prompt
+    from mvllm.errors import InvalidRequestError
+    from mvllm.model.tokenizer import Tokenizer
+
+    check_prompt([0, 511, 7], 512, 2048)
+    for ids, message in [([0, 512], "outside the vocabulary"), ([-1, 3], "outside the vocabulary"), ([], "empty"),
+                         (list(range(10)), "context is 10")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            check_prompt(ids, 512, 10 if len(ids) == 10 else 2048)
+    tokenizer = Tokenizer(None, MODEL)
+    assert tokenizer.encode([3, 4]) == [3, 4]
+    for bad in ([1, True], [1, 2.0], [1, "2"]):
+        with pytest.raises(InvalidRequestError, match="integer token ids"):
+            tokenizer.encode(bad)
+
+
+def test_tokens_go_straight_to_the_socket_only_under_the_server_that_was_checked():
+    """Socket.of: uvicorn's httptools cycle with a chunked response, else None (every chunk through send)."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    from mvllm.server.stream import Socket
+
+    async def send(message):
+        pass
+
+    class Cycle:
+        chunked_encoding, transport, flow, disconnected, response_complete = True, None, None, False, False
+
+        async def send(self, message):
+            pass
+
+    assert Socket.of(send) is None and Socket.of(Cycle().send) is None
+    cycle = RequestResponseCycle.__new__(RequestResponseCycle)
+    cycle.chunked_encoding, cycle.transport, cycle.flow, cycle.disconnected, cycle.response_complete = (
+        True, None, None, False, False)
+    assert isinstance(Socket.of(cycle.send), Socket)
+    cycle.chunked_encoding = False  # a sized body: not ours to frame
+    assert Socket.of(cycle.send) is None

@@ -1,7 +1,8 @@
 """A backend in its own process, as the server sees it: one small transport over two pipes.
 
 The worker (worker.py) is spawned with `worker_entry`, which imports the engine, and with it torch, in the
-worker only: the server's process routes and streams, and imports neither.
+worker only: the server's process routes and streams, and imports neither. A null backend's worker (null.py)
+imports no engine at all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from mvllm.errors import MvllmError
 
 
 def worker_entry(spec_dict: dict, model: str, commands, events) -> None:
-    """The worker process's target."""
+    """The worker process's target: an engine's worker, or the null backend's (no model, no torch)."""
+    if spec_dict["device"] == "null":
+        from mvllm.backends.null import null_main
+
+        return null_main(spec_dict, model, commands, events)
     from mvllm.backends.worker import worker_main
 
     worker_main(spec_dict, model, commands, events)

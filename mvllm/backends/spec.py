@@ -23,6 +23,10 @@ blocks of the remote's block size, else of the engine's BLOCK_SIZE; default: wha
 else 4096), timeout (seconds to wait for the next chunk, default 60), api_key_env (the name of an
 environment variable holding the bearer token; the key itself never appears in a spec, a log or an error).
 
+A DEVICE of `null` is a backend without a model (backends/null.py): a worker process that emits tokens on a
+clock, for measuring everything but the engine (the API process, the router, the client). Its keys: step_ms (the
+time of one step, in which every running request gets one token; default 10) and max_active (default 4).
+
 A backend's name is its role for the router (the "gpu" of gpu-only); its device is a setting.
 """
 
@@ -60,10 +64,15 @@ class BackendSpec:
     model: str | None = None
     api_key_env: str | None = None
     timeout: float = 60.0
+    step_ms: float | None = None  # a null backend's step time
 
     @property
     def remote(self) -> bool:
         return is_url(self.device)
+
+    @property
+    def null(self) -> bool:
+        return self.device == NULL
 
     def engine_config(self, model: str, block_size: int = BLOCK_SIZE) -> EngineConfig:
         from mvllm.engine.engine import EngineConfig
@@ -80,6 +89,8 @@ class BackendSpec:
 
 
 REMOTE_KEYS = ("max_active", "model", "num_blocks", "timeout", "api_key_env")
+NULL_KEYS = ("max_active", "step_ms")
+NULL, NULL_STEP_MS = "null", 10.0
 LOCAL_ONLY = ("dtype", "quant", "threads", "max_step_tokens", "kv_cache_gb", "graphs", "compile", "fused", "overlap",
               "batch_invariant")
 
@@ -92,12 +103,17 @@ def is_cuda(device: str) -> bool:
     return device.partition(":")[0] == "cuda"
 
 
-def convert(key: str, value: str, name: str, remote: bool = False):
+def convert(key: str, value: str, name: str, remote: bool = False, null: bool = False):
     types = {f.name: f.type for f in fields(BackendSpec)}
     if key not in types or key in ("name", "device"):
-        local = (k for k in types if k not in ("name", "device", "model", "timeout", "api_key_env"))
-        known = ", ".join(REMOTE_KEYS if remote else local)
+        local = (k for k in types if k not in ("name", "device", "model", "timeout", "api_key_env", "step_ms"))
+        known = ", ".join(REMOTE_KEYS if remote else NULL_KEYS if null else local)
         raise InvalidRequestError(f"backend {name}: unknown setting {key!r}; known: {known}", "backends")
+    if null and key not in NULL_KEYS:
+        raise InvalidRequestError(f"backend {name}: {key} is not a setting of a null backend; it takes "
+                                  f"{', '.join(NULL_KEYS)}", "backends")
+    if not null and key == "step_ms":
+        raise InvalidRequestError(f"backend {name}: step_ms is a setting of a null backend (NAME=null)", "backends")
     if remote and key not in REMOTE_KEYS:
         raise InvalidRequestError(f"backend {name}: {key} is a setting of a local backend; a remote one takes "
                                   f"{', '.join(REMOTE_KEYS)}", "backends")
@@ -132,7 +148,7 @@ def parse_backends(text: str, max_active: int | None = None, check_devices: bool
             settings["max_active"] = max_active
         for opt in options:
             key, _, value = opt.partition("=")
-            settings[key] = convert(key, value, name, is_url(device))
+            settings[key] = convert(key, value, name, is_url(device), device == NULL)
         spec = BackendSpec(name=name, device=device, **settings)
         if spec.max_active is None and not is_cuda(device):
             spec.max_active = MAX_ACTIVE
@@ -210,6 +226,11 @@ def validate(spec: BackendSpec) -> None:
     if spec.remote:
         validate_remote(spec)
         return
+    if spec.null:
+        if spec.max_active < 1 or (spec.step_ms is not None and not 0 < spec.step_ms <= 60e3):
+            raise InvalidRequestError(f"backend {spec.name}: a null backend takes max_active of 1 or more and "
+                                      "step_ms above 0 and at most 60000", "backends")
+        return
     import torch
 
     from mvllm.engine.engine import DEFAULT_DTYPES
@@ -263,7 +284,8 @@ def share_cores(specs: list[BackendSpec]) -> None:
     count split what the GPU workers (one thread each) leave of the compute cores (on Apple silicon the
     performance cores: machine.compute_cores). `profile` applies the same split, so a backend is measured
     with the threads it will be served with."""
-    local = [s for s in specs if not s.remote]  # a remote backend's threads are another machine's
+    local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
+    # backend computes nothing
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
     others = len(local) - len([s for s in local if s.device == "cpu"])
     cores = machine.compute_cores()[0]
@@ -281,7 +303,7 @@ def spec_budget(spec: BackendSpec) -> int | None:
 
     from mvllm.engine.engine import step_tokens
 
-    if spec.remote:
+    if spec.remote or spec.null:
         return None
     if spec.max_step_tokens is None and is_cuda(spec.device):
         index = torch.device(spec.device).index or 0

@@ -76,6 +76,7 @@ def _take(rec: RequestRecord, data: dict, stamp: float, reply: list[int]) -> int
             if rec.first_token is None:
                 rec.first_token = stamp
             rec.chunks.append(stamp)
+            rec.chunk_tokens.append(n)
             reply.extend(choice.get("token_ids") or [])
         rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
     usage = data.get("usage")
@@ -147,7 +148,7 @@ async def send(pool: Pool, model: str | None, req: Request, t0: float, rec: Requ
         if rec.chunks:
             rec.finish = rec.chunks[-1]
             if not state["usage"]:
-                rec.output_tokens = len(rec.chunks)
+                rec.output_tokens = sum(rec.chunk_tokens)
         if rec.error:
             rec.finish = rec.finish if rec.finish is not None else time.perf_counter() - t0
 

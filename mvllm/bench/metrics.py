@@ -4,7 +4,9 @@ All times are seconds from the start of the replay, taken on the client. A reque
 from its scheduled send time (`arrival`), so a late client cannot hide queueing:
 ttft = first_token - arrival, e2el = finish - arrival, tpot = (e2el - ttft) / (output_tokens - 1),
 itl = the gaps between streamed chunks, pooled over requests (max_itl_ms the worst; per backend its p99 and worst in
-backend_p99_itl_ms and backend_max_itl_ms). Percentiles interpolate linearly
+backend_p99_itl_ms and backend_max_itl_ms); a chunk may carry several tokens (a server's response that fell behind
+its engine sends what it holds in one chunk): its gap counts once, as vLLM's bench counts it, and
+mean_tokens_per_chunk says how many each carried (1.0: every token in its own). Percentiles interpolate linearly
 between ranks (numpy's default, as vLLM). max_send_delay_ms: how late the client sent its latest
 request against the schedule (a check that the client kept up).
 
@@ -43,12 +45,13 @@ class RequestRecord:
     backend: str = ""
     cached_tokens: int | None = None
     output_tokens: int = 0
-    chunks: list[float] = field(default_factory=list)
+    chunks: list[float] = field(default_factory=list)  # the arrival of each chunk that carried tokens
     error: str = ""
     max_tokens: int | None = None  # the cap the client sent (None: none)
     target_tokens: int | None = None  # the workload's true length: where the request was to end
     finish_reason: str = ""
     parent: int | None = None  # a follow-up turn: the request it follows
+    chunk_tokens: list[int] = field(default_factory=list)  # the tokens each carried (empty: not recorded)
 
     @property
     def ok(self) -> bool:
@@ -230,6 +233,8 @@ def summarize(records: list[RequestRecord], duration: float | None = None, slo: 
     gaps = itl_gaps(done)  # each r.itl in ms, in one pass (a simulated trace has millions)
     s.update(stats_ms("itl", gaps[0]))
     s.update(stats("e2el", [r.e2el for r in done]))
+    chunks = sum(len(r.chunks) for r in done)
+    s["mean_tokens_per_chunk"] = sum(sum(r.chunk_tokens) or r.output_tokens for r in done) / chunks if chunks else None
     s["max_itl_ms"], s["backend_p99_itl_ms"], s["backend_max_itl_ms"] = itl_tails(*gaps)
     s["backend_requests"] = dict(sorted(Counter(r.backend for r in done).items()))
     cached: dict[str, int] = {}

@@ -35,11 +35,13 @@ def tail(path: Path, n: int = 15) -> str:
 
 class ServerProcess:
     def __init__(self, args: list[str], log: Path, host: str = "127.0.0.1", port: int | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, cwd: Path | None = None):
+        """cwd: where the server runs (its mvllm is the one there, where there is one: `python -m` looks there
+        first)."""
         self.host, self.port = host, port or free_port()
         self.command = [sys.executable, "-m", "mvllm.cli", "serve", "--shutdown-timeout", "5", *args, "--host", host,
                         "--port", str(self.port)]
-        self.log, self.env = log, env
+        self.log, self.env, self.cwd = log, env, cwd
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -50,7 +52,7 @@ class ServerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(self.command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=self.env)
+                                         start_new_session=True, env=self.env, cwd=self.cwd)
         return self
 
     def wait_ready(self, timeout: float) -> None:

@@ -78,7 +78,7 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
     (The KV pool always holds max_model_len tokens: Engine caps max_model_len at the pool's size.)"""
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", "prompt")
-    if any(not 0 <= t < vocab_size for t in token_ids):
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # C's loops, not one of Python's a token
         raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
     if len(token_ids) >= max_model_len:
         raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but this model's context is "

@@ -19,7 +19,7 @@ class Tokenizer:
                 raise InvalidRequestError(
                     f"model {self.model_spec} has no tokenizer; pass the prompt as a list of token ids", "prompt")
             return self.hf.encode(prompt, add_special_tokens=True)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not set(map(type, prompt)) <= {int}:  # ints, not bools (nor int subclasses), in C's loops
             raise InvalidRequestError("a prompt must be a string or a list of integer token ids", "prompt")
         return list(prompt)
 

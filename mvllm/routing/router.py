@@ -277,13 +277,17 @@ class Router:
         many calls with one each would: the look-up at the last REFRESH-th of them, counted down from there."""
         self.replayed.pop(backend, None)
         book, estimating, hook = self.bookings[backend], self.estimating, self.tokens_hook
+        caps = self.policy.lengths == "cap"
         for request_id in request_ids:
             booking = book.get(request_id)
             if booking is None:
                 continue
             booking.active = True
             booking.generated = done = booking.generated + count
-            if not estimating:  # the other lengths are looked up at every token, from it alone
+            if caps:  # expect's "cap", inline: every booking of a step passes here
+                left = booking.max_tokens - done
+                booking.left = left if left > 0 else 0
+            elif not estimating:  # the other lengths are looked up at every token, from it alone
                 booking.left = self.expect(backend, booking)
             else:
                 since = done % REFRESH  # tokens since the last look-up's

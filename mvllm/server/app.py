@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from mvllm.engine.params import SamplingParams, check_budget, check_prompt
@@ -18,7 +16,7 @@ from mvllm.errors import InvalidRequestError, MvllmError
 from mvllm.model.tokenizer import Tokenizer
 from mvllm.server.cluster import Cluster
 from mvllm.server.protocol import ChatRequest, CompletionRequest, PolicyRequest, WarmRequest, error
-from mvllm.server.text import Detokenizer
+from mvllm.server.stream import EventStream, Run, Shape, until_done
 from mvllm.slo import SloError, parse_slo
 
 
@@ -108,8 +106,7 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
         shape = Shape(rid, model_name, backend, chat)
         headers = {"x-mvllm-backend": backend, "x-request-id": rid}
         if body.stream:
-            return StreamingResponse(sse(run, shape, body.include_usage), media_type="text/event-stream",
-                                     headers=headers)
+            return EventStream(run, shape, body.include_usage, headers)
         await until_done(run, request)
         if run.error:
             return error(500 if run.tokens else 503, run.error, kind="server_error", code="backend_failed")
@@ -175,135 +172,3 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
         return {"policy": cluster.router.policy.name}
 
     return app
-
-
-class Run:
-    """One request in flight: collects tokens and text deltas from its backend's events."""
-
-    def __init__(self, cluster: Cluster, tokenizer: Tokenizer, rid, backend, token_ids, params, arrival):
-        self.cluster, self.rid, self.backend, self.params, self.arrival = cluster, rid, backend, params, arrival
-        self.prompt_tokens = len(token_ids)
-        self.detok = Detokenizer(tokenizer, params.stop)
-        self.tokens: list[int] = []
-        self.cached = 0
-        self.first_token: float | None = None
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-
-    async def deltas(self) -> AsyncIterator[list[tuple[str, list[int]]]]:
-        """Yield (text delta, new token ids) pairs, a list of all that arrived at once, until the request ends."""
-        async for events in self.cluster.events(self.rid):
-            out: list[tuple[str, list[int]]] = []
-            for ev in events:
-                if ev.backend is not None:
-                    self.backend = ev.backend
-                if ev.cached_tokens is not None:
-                    self.cached = ev.cached_tokens
-                if ev.error:
-                    self.error = ev.error
-                    break
-                if ev.token is not None:
-                    self.first_token = self.first_token or time.time()
-                    self.tokens.append(ev.token)
-                    text, stopped = self.detok.add(ev.token, final=ev.finish_reason is not None)
-                    out.append((text, [ev.token]))
-                    if stopped:
-                        self.finish_reason = "stop"
-                        break
-                if ev.finish_reason:
-                    self.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
-                    if ev.token is None and (held := self.detok.flush()):
-                        out.append((held, []))
-                    break
-            if out:
-                yield out
-            if self.error or self.finish_reason:
-                if self.finish_reason:
-                    self._observe()
-                return  # leaving the stream early (a stop string) aborts the request on its backend
-
-    def _observe(self) -> None:
-        now = time.time()
-        ttft = self.first_token - self.arrival if self.first_token else None
-        self.cluster.metrics.observe_request(self.backend, self.prompt_tokens, self.cached, len(self.tokens),
-                                             ttft, now - self.arrival)
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                "total_tokens": self.prompt_tokens + len(self.tokens),
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
-
-
-class Shape:
-    """OpenAI response and chunk bodies for completions and chat completions."""
-
-    def __init__(self, rid: str, model: str, backend: str, chat: bool):
-        self.rid, self.model, self.backend, self.chat = rid, model, backend, chat
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _body(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, "backend": self.backend, **extra}
-
-    def whole(self, run: Run) -> dict:
-        self.backend = run.backend
-        text = run.detok.text
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": run.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason,
-                      "token_ids": run.tokens}
-        return self._body(self.object, [choice], usage=run.usage())
-
-    def chunk(self, text: str | None, ids: list[int], finish: str | None, role: bool = False) -> dict:
-        obj = self.object + ".chunk" if self.chat else self.object
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "token_ids": ids}
-        return self._body(obj, [choice])
-
-
-async def until_done(run: Run, request: Request) -> None:
-    """Run a non-streaming request to its end; a client that hangs up aborts it."""
-
-    async def drain():
-        async for _ in run.deltas():
-            pass
-
-    task = asyncio.ensure_future(drain())
-    while not task.done():
-        await asyncio.wait([task], timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            break
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-
-
-async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
-    """The response's body: one event per token, and the events of all the tokens that arrived since the last
-    write in one write (a response that falls behind its backend catches up at the cost of one write)."""
-    def line(payload: dict) -> bytes:
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-    if shape.chat:
-        yield line(shape.chunk(None, [], None, role=True))
-    async for deltas in run.deltas():
-        shape.backend = run.backend
-        yield b"".join([line(shape.chunk(text, ids, None)) for text, ids in deltas])
-    shape.backend = run.backend
-    if run.error:
-        yield line({"error": {"message": run.error, "type": "server_error", "param": None,
-                              "code": "backend_failed"}})
-    else:
-        yield line(shape.chunk(None, [], run.finish_reason))
-    if include_usage:
-        yield line({**shape._body(shape.object + ".chunk" if shape.chat else shape.object, []),
-                    "usage": run.usage()})
-    yield b"data: [DONE]\n\n"

@@ -4,10 +4,10 @@ turns backend events (mvllm.backends.events) into per-request streams."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
-import uuid
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from mvllm.backends.base import Backend, spawn
@@ -44,41 +44,45 @@ class ShuttingDownError(MvllmError):
     pass
 
 
-@dataclass(slots=True)
-class Event:
-    """What a request's stream yields: a token, its end, or an error."""
-
-    token: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    cached_tokens: int | None = None
-    backend: str | None = None  # the request moved to this backend (its first one died before it began)
-
-
 class Stream:
-    """A request's events not yet taken: the backends' events append, its response takes them all at once, so
-    a response that falls behind its backend catches up in one write instead of one per token."""
+    """A request's mailbox, one slot: the tokens its backend sent since its response last took them, and how the
+    request ended. A response that falls behind its backend takes all its tokens at once, in one chunk. `push`,
+    where its response sets one, is called once the steps that arrived together have been taken in: it may write
+    their tokens at once."""
 
-    __slots__ = ("events", "waiter")
+    __slots__ = ("tokens", "ended", "finish_reason", "error", "cached_tokens", "backend", "waiter", "push", "pushing")
 
     def __init__(self):
-        self.events: list[Event] = []
+        self.tokens: list[int] = []
+        self.ended = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cached_tokens: int | None = None
+        self.backend: str | None = None  # the request moved to this backend (its first one died before it began)
         self.waiter: asyncio.Future | None = None
+        self.push: Callable[[], None] | None = None
+        self.pushing = False  # a push is due (Cluster._push)
 
-    def put(self, event: Event) -> None:
-        self.events.append(event)
+    def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def take(self) -> list[Event]:
-        while not self.events:
+    def end(self, finish_reason: str | None = None, error: str | None = None) -> None:
+        """The first end counts; tokens sent after it are dropped."""
+        if not self.ended:
+            self.ended, self.finish_reason, self.error = True, finish_reason, error
+            self.wake()
+
+    async def take(self) -> list[int]:
+        """The tokens that arrived since the last take, once there is one or the request has ended."""
+        while not self.tokens and not self.ended:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
-        events, self.events = self.events, []
-        return events
+        tokens, self.tokens = self.tokens, []
+        return tokens
 
 
 class Cluster:
@@ -103,6 +107,8 @@ class Cluster:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: set[asyncio.Task] = set()  # re-routes and restarts under way
+        self.pushes: list[Stream] = []  # streams with tokens to push once the steps in hand are in
+        self.id_base, self.ids = secrets.token_hex(4), itertools.count()  # request ids: 16 hex digits
 
     def wait_ready(self, timeout: float) -> None:
         """Wait for every backend. One that fails to start (its worker's error, or no answer within `timeout`)
@@ -142,7 +148,8 @@ class Cluster:
             case Scheduled(admitted):
                 for rid, cached in admitted:
                     self.router.on_scheduled(name, rid, cached)
-                    self._put(rid, Event(cached_tokens=cached))
+                    if (stream := self.streams.get(rid)) is not None:
+                        stream.cached_tokens = cached
                 self.metrics.stale_cache.labels(name).set(self.router.stale[name])
             case Step(tokens, load, kv):
                 if kv:
@@ -152,20 +159,14 @@ class Cluster:
                 self.snapshots[name].update(load)
                 self.metrics.observe_snapshot(name, load)
                 if tokens:
-                    self.router.on_step(name)
-                for rid, token, reason in tokens:
-                    self.unstarted.pop(rid, None)
-                    self.router.on_tokens(name, rid, 1)
-                    if reason:
-                        self.router.on_finished(name, rid, reason)
-                    self._put(rid, Event(token=token, finish_reason=reason))
+                    self._tokens(name, tokens)
             case KvEvents(stored, removed):  # a worker's cache changed outside a step: before the call's reply
                 self.index.apply(name, stored, removed)
             case Error(rid, message):
-                self._ended(name, rid, Event(error=message))
+                self._ended(name, rid, error=message)
             case Aborted(rid, generated, at):
                 self.router.note({"aborted": rid, "backend": name, "generated": generated, "time": at})
-                self._ended(name, rid, Event(finish_reason="abort"), "abort")
+                self._ended(name, rid, "abort")
             case Done(rid, reason):  # a remote's request ended after its last token
                 self._done(name, rid, reason)
             case Lost(rid, why):  # a remote's request failed while the remote still answers its health probe
@@ -185,10 +186,47 @@ class Cluster:
             case _:
                 raise TypeError(f"backend {name} sent {event!r}, which is no event")
 
-    def _ended(self, name: str, rid: str, event: Event, reason: str | None = None) -> None:
+    def _tokens(self, name: str, tokens: list[tuple[str, int, str | None]]) -> None:
+        """One step's tokens, in one loop: each to its stream (a stream waiting for one wakes once; one that pushes
+        does once the steps in hand are in), the router's bookkeeping in one call for the step."""
+        streams, unstarted, ended, pushes = self.streams, self.unstarted, [], self.pushes
+        for rid, token, reason in tokens:
+            stream = streams.get(rid)
+            if stream is not None and not stream.ended:
+                stream.tokens.append(token)
+                if stream.push is not None:
+                    if not stream.pushing:
+                        if not pushes:  # after the steps already waiting on the loop: a lagging server merges them
+                            self.loop.call_soon(self._push)
+                        stream.pushing = True
+                        pushes.append(stream)
+                elif not reason and stream.waiter is not None and not stream.waiter.done():
+                    stream.waiter.set_result(None)
+                if reason:
+                    stream.end(reason)
+            if reason:
+                ended.append((rid, reason))
+        if unstarted:
+            for rid, _, _ in tokens:
+                unstarted.pop(rid, None)
+        self.router.on_step(name)
+        self.router.on_step_tokens(name, [rid for rid, _, _ in tokens])
+        for rid, reason in ended:
+            self.router.on_finished(name, rid, reason)
+
+    def _push(self) -> None:
+        pushes, self.pushes = self.pushes, []
+        for stream in pushes:
+            stream.pushing = False
+            if stream.push is not None:
+                stream.push()
+            else:
+                stream.wake()
+
+    def _ended(self, name: str, rid: str, reason: str | None = None, error: str | None = None) -> None:
         self.unstarted.pop(rid, None)
         self.router.on_finished(name, rid, reason)
-        self._put(rid, event)
+        self._end(rid, reason, error)
 
     def _dead(self, name: str) -> None:
         """A backend is gone: what had not started goes elsewhere, the rest ends; a worker is restarted."""
@@ -200,7 +238,7 @@ class Cluster:
                 self._spawn(self._reroute(rid, name), f"reroute {rid}")
             else:
                 self.unstarted.pop(rid, None)
-                self._put(rid, Event(error=f"backend {name} stopped while serving this request"))
+                self._end(rid, error=f"backend {name} stopped while serving this request")
         if self.restart and not self.draining and not self.backends[name].spec.remote:
             self._spawn(self._respawn(name), f"restart {name}")  # a remote comes back by itself: it probes
 
@@ -209,7 +247,7 @@ class Cluster:
         if booking is not None and name in self.router.estimated:
             self.router.note({"request_id": rid, "time": time.time(), "event": "remote_cache", "backend": name,
                               "estimated_cached": booking.estimated_cached, "actual_cached": booking.actual_cached})
-        self._ended(name, rid, Event(finish_reason=reason), reason)
+        self._ended(name, rid, reason)
 
     def _lost(self, name: str, rid: str, why: str) -> None:
         """One request failed on a backend that is still up: elsewhere if it had not started, else an error."""
@@ -218,7 +256,7 @@ class Cluster:
             self._spawn(self._reroute(rid, name, exclude=(name,)), f"reroute {rid}")
         else:
             self.unstarted.pop(rid, None)
-            self._put(rid, Event(error=why))
+            self._end(rid, error=why)
 
     async def _reroute(self, rid: str, dead: str, exclude: tuple[str, ...] = ()) -> None:
         """Place a request that had sent nothing yet on a live backend; its client sees no difference."""
@@ -232,12 +270,13 @@ class Cluster:
             self.backends[name].submit(rid, token_ids, params, arrival)
         except MvllmError as e:
             self.unstarted.pop(rid, None)
-            self._put(rid, Event(error=f"backend {dead} stopped before serving this request, and {e}"))
+            self._end(rid, error=f"backend {dead} stopped before serving this request, and {e}")
             return
         self.owner[rid] = name
         self.metrics.routed.labels(name).inc()
         self.metrics.rerouted.labels(dead).inc()
-        self._put(rid, Event(backend=name))
+        if (stream := self.streams.get(rid)) is not None:
+            stream.backend = name
 
     async def _respawn(self, name: str) -> None:
         old = self.backends[name]
@@ -275,10 +314,9 @@ class Cluster:
         self.metrics.backend_up.labels(name).set(1)
         self.router.revive(name)
 
-    def _put(self, rid: str, event: Event) -> None:
-        stream = self.streams.get(rid)
-        if stream is not None:
-            stream.put(event)
+    def _end(self, rid: str, finish_reason: str | None = None, error: str | None = None) -> None:
+        if (stream := self.streams.get(rid)) is not None:
+            stream.end(finish_reason, error)
 
     async def cached_prefix(self, token_ids: list[int], hashes: list[int] | None = None) -> dict[str, int]:
         """Each live backend's cached prefix of this prompt: a worker's from the index of its KV events, with no
@@ -310,7 +348,7 @@ class Cluster:
         """Route and submit one request; returns (request id, backend name)."""
         if self.draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
-        rid, arrival = f"{prefix}-{uuid.uuid4().hex[:16]}", arrival or time.time()
+        rid, arrival = f"{prefix}-{self.id_base}{next(self.ids):08x}", arrival or time.time()
         blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
         cached = await self.cached_prefix(token_ids, blocks)
         name = self.route(rid, token_ids, params, cached, blocks=blocks)
@@ -321,24 +359,13 @@ class Cluster:
         self.backends[name].submit(rid, token_ids, params, arrival)
         return rid, name
 
-    async def events(self, rid: str) -> AsyncIterator[list[Event]]:
-        """Yield the request's events, all that arrived since the last yield at once, until it ends; abort it
-        on its backend if the consumer goes away."""
-        stream, done = self.streams[rid], False
-        try:
-            while not done:
-                events = await stream.take()
-                for i, event in enumerate(events):
-                    if event.error is not None or event.finish_reason is not None:
-                        done, events = True, events[:i + 1]
-                        break
-                yield events
-        finally:
-            self.streams.pop(rid, None)
-            self.unstarted.pop(rid, None)
-            name = self.owner.pop(rid, None)
-            if not done and name is not None:
-                self.abort(name, rid)
+    def leave(self, rid: str, done: bool) -> None:
+        """A request's response is over: forget its stream; abort it on its backend unless it had ended (`done`)."""
+        self.streams.pop(rid, None)
+        self.unstarted.pop(rid, None)
+        name = self.owner.pop(rid, None)
+        if not done and name is not None:
+            self.abort(name, rid)
 
     def abort(self, name: str, rid: str) -> None:
         self.router.on_finished(name, rid, "abort")
@@ -357,7 +384,7 @@ class Cluster:
         left = list(self.owner.items())
         for rid, name in left:
             self.abort(name, rid)
-            self._put(rid, Event(finish_reason="abort"))
+            self._end(rid, "abort")
         deadline = time.monotonic() + 2.0  # time for each stream to write its last chunk
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

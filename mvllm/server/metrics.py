@@ -35,26 +35,43 @@ class Metrics:
                                        registry=r)
         self.stale_cache = Gauge("mvllm_stale_prefix_estimates", "Requests admitted with less cached than the "
                                  "router counted when it placed them (evicted meanwhile)", b, registry=r)
+        self._gauges: dict[str, tuple] = {}
+        self._requests: dict[str, tuple] = {}
         for name in backends:
             self.backend_up.labels(name).set(1)
             for counter in (self.routed, self.restarts, self.rerouted):
                 counter.labels(name)
 
     def observe_snapshot(self, name: str, snap: dict) -> None:
-        self.running.labels(name).set(snap["running"])
-        self.waiting.labels(name).set(snap["waiting"])
-        self.kv_usage.labels(name).set(snap["kv_usage"])
-        self.prefix_queries.labels(name).set(snap["prefix_queries"])
-        self.prefix_hits.labels(name).set(snap["prefix_hits"])
+        running, waiting, kv_usage, queries, hits = self._snapshot_gauges(name)
+        running.set(snap["running"])
+        waiting.set(snap["waiting"])
+        kv_usage.set(snap["kv_usage"])
+        queries.set(snap["prefix_queries"])
+        hits.set(snap["prefix_hits"])
 
     def observe_request(self, name: str, prompt: int, cached: int, generated: int, ttft: float | None,
                         e2e: float) -> None:
-        self.prompt_tokens.labels(name).inc(prompt)
-        self.cached_tokens.labels(name).inc(cached)
-        self.generation_tokens.labels(name).inc(generated)
+        prompt_tokens, cached_tokens, generation_tokens, ttfts, e2es = self._request_metrics(name)
+        prompt_tokens.inc(prompt)
+        cached_tokens.inc(cached)
+        generation_tokens.inc(generated)
         if ttft is not None:
-            self.ttft.labels(name).observe(ttft)
-        self.e2e.labels(name).observe(e2e)
+            ttfts.observe(ttft)
+        e2es.observe(e2e)
+
+    def _snapshot_gauges(self, name: str) -> tuple:
+        """A backend's labelled gauges, looked up once (each step sets them)."""
+        if (found := self._gauges.get(name)) is None:
+            found = self._gauges[name] = tuple(m.labels(name) for m in (
+                self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits))
+        return found
+
+    def _request_metrics(self, name: str) -> tuple:
+        if (found := self._requests.get(name)) is None:
+            found = self._requests[name] = tuple(m.labels(name) for m in (
+                self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.ttft, self.e2e))
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

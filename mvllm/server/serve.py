@@ -19,6 +19,7 @@ from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
 from mvllm.server.app import build_app
 from mvllm.server.cluster import Cluster
+from mvllm.server.stream import direct_send
 from mvllm.slo import parse_slo
 
 console = Console(stderr=True, soft_wrap=True)
@@ -117,7 +118,7 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
                           for s in specs if s.name not in cluster.start_errors)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+        config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30)
         GracefulServer(config, cluster, shutdown_timeout, console).run()
     finally:
