@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mvllm.bench.health import summarize_client  # noqa: E402
 from mvllm.bench.loadgen import generate  # noqa: E402
 from mvllm.bench.metrics import summarize  # noqa: E402
 from mvllm.bench.process import ServerProcess  # noqa: E402
@@ -70,18 +71,19 @@ class Side:
         pid = self.server.proc.pid
         workers = children(pid)
         api0, work0, client0 = cpu_seconds(pid), sum(map(cpu_seconds, workers)), time.process_time()
-        records, duration, _, _ = generate(self.server.url, model, reqs, 600.0, 1)
+        records, duration, _, health = generate(self.server.url, model, reqs, 600.0, 1)
         api, client = cpu_seconds(pid) - api0, time.process_time() - client0
         work = sum(map(cpu_seconds, workers)) - work0
         done = [r for r in records if r.ok]
         tokens = sum(r.output_tokens for r in done)
-        chunks = sum(len(r.chunks) for r in done)
         s = summarize(records, duration)
+        lag = summarize_client(records, health, s["median_ttft_ms"])  # a burst's own send spread shows here too
         run = {"tokens": tokens, "failed": len(records) - len(done), "duration": round(duration, 3),
                "api_cpu_s": round(api, 3), "client_cpu_s": round(client, 3), "workers_cpu_s": round(work, 3),
                "api_us_per_token": round(1e6 * api / max(tokens, 1), 2),
                "client_us_per_token": round(1e6 * client / max(tokens, 1), 2),
-               "tokens_per_chunk": round(tokens / max(chunks, 1), 3),
+               "tokens_per_chunk": round(s["mean_tokens_per_chunk"] or 0.0, 3),
+               "client_loop_lag_p99_ms": lag["loop_lag_ms"]["p99"],
                "output_throughput": round(s["output_throughput"] or 0.0, 1),
                "median_itl_ms": s["median_itl_ms"], "median_tpot_ms": s["median_tpot_ms"]}
         self.runs.append(run)

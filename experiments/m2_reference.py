@@ -42,9 +42,9 @@ CAPACITY_POLICIES = ["gpu-only", "mixed", "eta"]
 
 def capacity_main() -> int:
     from mvllm.bench.experiment import apply
-    from mvllm.bench.metrics import parse_slo
     from mvllm.capacity import draw
     from mvllm.simulate.capacity import capacity
+    from mvllm.slo import parse_slo
 
     exp = load(Path(__file__).resolve().parent / "paper-48.toml")
     exp.backends = "gpu=mps,cpu=cpu"

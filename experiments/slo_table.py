@@ -41,11 +41,11 @@ from m2_reference import profile as m2_profile  # noqa: E402
 from mvllm.bench import workload as wl  # noqa: E402
 from mvllm.bench.experiment import apply, load  # noqa: E402
 from mvllm.bench.metrics import meets as meets_slo  # noqa: E402
-from mvllm.bench.metrics import parse_slo  # noqa: E402
 from mvllm.capacity import Goal, search_policies  # noqa: E402
 from mvllm.simulate.capacity import simulated  # noqa: E402
 from mvllm.simulate.grid import faster_cpu  # noqa: E402
 from mvllm.simulate.sim import run_one  # noqa: E402
+from mvllm.slo import parse_slo  # noqa: E402
 
 POLICIES = ["gpu-only", "mixed", "eta", "slo"]
 BEST = "best share"

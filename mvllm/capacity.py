@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mvllm.bench.experiment import Experiment, apply
-from mvllm.bench.metrics import parse_slo
 from mvllm.errors import MvllmError
+from mvllm.slo import parse_slo
 
 DOUBLINGS = 8  # above the first upper bound, at most 2**8 times it is tried before "meets at every load"
 

@@ -206,8 +206,8 @@ def bench(
     from pathlib import Path
 
     from mvllm.bench import experiment as ex
-    from mvllm.bench.metrics import parse_slo
     from mvllm.bench.runner import bench as run
+    from mvllm.slo import parse_slo
 
     if client_workers is not None and client_workers < 1:
         raise MvllmError(f"--client-workers must be at least 1, got {client_workers}")
@@ -369,8 +369,8 @@ def report(
     """Draw the charts (PNG) and write a markdown summary from saved results alone."""
     from pathlib import Path
 
-    from mvllm.bench.metrics import parse_slo
     from mvllm.report import report_all
+    from mvllm.slo import parse_slo
 
     slo = parse_slo(goodput) if goodput else None
     for path in report_all(Path(folder) if folder else None, Path(out) if out else None, slo=slo):

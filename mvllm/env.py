@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mvllm import knobs, machine
-from mvllm.backends.spec import BackendSpec, is_cuda, parse_backends, share_cores
+from mvllm.backends.spec import NULL_STEP_MS, BackendSpec, is_cuda, parse_backends, share_cores
 from mvllm.model.config import ModelConfig
 from mvllm.model.presets import DEFAULT_MODEL, PRESETS
 
@@ -192,7 +192,8 @@ def render(facts: dict) -> str:
             lines.append(f"  {name:<10}  {f['device']}: a remote server, measured over HTTP")
             continue
         if f.get("null"):
-            lines.append(f"  {name:<10}  null: no model, a token a running request every {f['step_ms'] or 10:g} ms, "
+            step = f["step_ms"] or NULL_STEP_MS
+            lines.append(f"  {name:<10}  null: no model, a token a running request every {step:g} ms, "
                          f"max_active {f['max_active']}")
             continue
         mode = f"{f['dtype']}" + ("" if f["quant"] == "none" else f" {f['quant']}")

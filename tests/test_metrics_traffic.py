@@ -12,9 +12,10 @@ from rich.console import Console
 
 from mvllm.bench.display import run_line, table
 from mvllm.bench.experiment import from_dict
-from mvllm.bench.metrics import BUCKET_EDGES, RequestRecord, SloError, parse_slo, percentile, summarize
+from mvllm.bench.metrics import BUCKET_EDGES, RequestRecord, percentile, summarize
 from mvllm.bench.results import aggregate, records_from_rows, request_rows, write_requests
 from mvllm.errors import MvllmError
+from mvllm.slo import SloError, parse_slo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,3 +134,18 @@ def test_a_malformed_bench_goodput_is_one_line_and_exit_2():
                            "latency:3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and "unknown metric 'latency'" in done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_chunk_of_several_tokens_counts_them_all_and_its_gap_once():
+    from mvllm.bench.client import _take
+
+    rec, reply = RequestRecord(0, 0.0), []
+    for stamp, ids in ((0.1, [5]), (0.4, [6, 7, 8]), (0.5, [9])):  # a lagging server merged three tokens
+        assert _take(rec, {"choices": [{"text": "x", "token_ids": ids, "finish_reason": None}]}, stamp, reply) == len(ids)
+    _take(rec, {"choices": [{"text": "", "token_ids": [], "finish_reason": "length"}]}, 0.5, reply)
+    rec.finish, rec.output_tokens = rec.chunks[-1], sum(rec.chunk_tokens)  # as send() does without usage
+    s = summarize([rec], duration=1.0)
+    assert reply == [5, 6, 7, 8, 9] and rec.output_tokens == 5 and rec.chunk_tokens == [1, 3, 1]
+    assert s["mean_tokens_per_chunk"] == pytest.approx(5 / 3)
+    assert s["mean_tpot_ms"] == pytest.approx((0.5 - 0.1) / 4 * 1000)  # per token
+    assert s["mean_itl_ms"] == pytest.approx((0.3 + 0.1) / 2 * 1000)  # a gap a chunk

@@ -9,7 +9,6 @@ import pytest
 from typer.testing import CliRunner
 
 from mvllm.bench.experiment import apply, load
-from mvllm.bench.metrics import parse_slo
 from mvllm.cli import app
 from mvllm.errors import InvalidRequestError
 from mvllm.routing.policies import is_known, make_policy
@@ -18,6 +17,7 @@ from mvllm.routing.router import Router
 from mvllm.server.serve import choose_policy, unmet_warning
 from mvllm.simulate.capacity import capacity
 from mvllm.simulate.reference import profile as m2_profile
+from mvllm.slo import parse_slo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,3 +144,21 @@ def test_slo_keeps_a_long_prefill_off_a_request_that_may_be_short_where_lengths_
 
     # the CPU's 1.4 s prefill of the new prompt would push a 4-token reply past 100 ms a token
     assert place(made_short=False) == "cpu" and place(made_short=True) == "gpu"
+
+
+def test_slo_counts_the_prefills_that_refill_the_slots_freed_while_a_request_runs():
+    from mvllm.routing.cost import Booking
+
+    def place(ending_soon: bool) -> str:
+        r = m2_router()
+        for i in range(8):  # the GPU queues: its TTFT is past a quarter of the bound
+            r.bookings["gpu"][f"g{i}"] = Booking(f"g{i}", 516, 496, 128)
+        for i in range(3):  # the CPU runs 3 long requests: 10 tokens left each, or 1,000
+            r.bookings["cpu"][f"c{i}"] = Booking(f"c{i}", 516, 496, 1000, active=True,
+                                                 generated=990 if ending_soon else 1)
+        r.replayed.clear()
+        return r.route("new", 116, 128, {"gpu": 16, "cpu": 16})
+
+    # at batch 4 the M2's CPU steps at 89 ms; the three slots that free while the new request runs take
+    # prefills of ~1.4 s each, 32 ms more a token over its 128: past the 100 ms bound
+    assert place(ending_soon=False) == "cpu" and place(ending_soon=True) == "gpu"

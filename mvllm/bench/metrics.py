@@ -28,7 +28,7 @@ from operator import sub
 
 import numpy as np
 
-from mvllm.slo import SLO_KEYS, SloError, parse_slo  # noqa: F401 (bench's callers import them from here)
+from mvllm.slo import SLO_KEYS, SloError
 
 PERCENTILES = (95, 99)
 BUCKET_EDGES = (64, 256, 1024, 4096, 16384, 65536)  # prompt tokens; powers of 4

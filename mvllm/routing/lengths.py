@@ -86,7 +86,7 @@ class Lengths:
         a_cap = self._a(cap)
         if not generated:  # a waiting request: S(0) = 1 and A(0) = 0, every length seen being at least 1
             return max(1, min(room, round(a_cap)))
-        j = bisect_right(times, generated) - 1
+        j = bisect_right(times, generated) - 1  # S(generated): _s inline, asked of every booking
         s = self.surv[j] if j >= 0 else 1.0
         if s <= 0.0:  # it outlived every length seen
             return room
@@ -100,7 +100,8 @@ class Lengths:
             return 1.0
         if length <= generated or not self.times:
             return 0.0
-        return 1.0 - self._s(length) / self._s(generated) if self._s(generated) > 0 else 0.0
+        alive = self._s(generated)
+        return 1.0 - self._s(length) / alive if alive > 0 else 0.0
 
     def _s(self, t: int) -> float:
         """S(t) = P(L > t)."""

@@ -284,9 +284,8 @@ class Router:
                 continue
             booking.active = True
             booking.generated = done = booking.generated + count
-            if caps:  # expect's "cap", inline: every booking of a step passes here
-                left = booking.max_tokens - done
-                booking.left = left if left > 0 else 0
+            if caps:  # expect's "cap" without its dispatch: every booking of a step passes here
+                booking.left = booking.pending_decode
             elif not estimating:  # the other lengths are looked up at every token, from it alone
                 booking.left = self.expect(backend, booking)
             else:

@@ -35,15 +35,15 @@ class Metrics:
                                        registry=r)
         self.stale_cache = Gauge("mvllm_stale_prefix_estimates", "Requests admitted with less cached than the "
                                  "router counted when it placed them (evicted meanwhile)", b, registry=r)
-        self._gauges: dict[str, tuple] = {}
-        self._requests: dict[str, tuple] = {}
+        self._labelled: dict[tuple[str, str], tuple] = {}
         for name in backends:
             self.backend_up.labels(name).set(1)
             for counter in (self.routed, self.restarts, self.rerouted):
                 counter.labels(name)
 
     def observe_snapshot(self, name: str, snap: dict) -> None:
-        running, waiting, kv_usage, queries, hits = self._snapshot_gauges(name)
+        running, waiting, kv_usage, queries, hits = self._children("snapshot", name, (
+            self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits))
         running.set(snap["running"])
         waiting.set(snap["waiting"])
         kv_usage.set(snap["kv_usage"])
@@ -52,7 +52,8 @@ class Metrics:
 
     def observe_request(self, name: str, prompt: int, cached: int, generated: int, ttft: float | None,
                         e2e: float) -> None:
-        prompt_tokens, cached_tokens, generation_tokens, ttfts, e2es = self._request_metrics(name)
+        prompt_tokens, cached_tokens, generation_tokens, ttfts, e2es = self._children("request", name, (
+            self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.ttft, self.e2e))
         prompt_tokens.inc(prompt)
         cached_tokens.inc(cached)
         generation_tokens.inc(generated)
@@ -60,17 +61,10 @@ class Metrics:
             ttfts.observe(ttft)
         e2es.observe(e2e)
 
-    def _snapshot_gauges(self, name: str) -> tuple:
-        """A backend's labelled gauges, looked up once (each step sets them)."""
-        if (found := self._gauges.get(name)) is None:
-            found = self._gauges[name] = tuple(m.labels(name) for m in (
-                self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits))
-        return found
-
-    def _request_metrics(self, name: str) -> tuple:
-        if (found := self._requests.get(name)) is None:
-            found = self._requests[name] = tuple(m.labels(name) for m in (
-                self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.ttft, self.e2e))
+    def _children(self, kind: str, name: str, metrics: tuple) -> tuple:
+        """A backend's labelled children of these metrics, looked up once (every step sets the snapshot's)."""
+        if (found := self._labelled.get((kind, name))) is None:
+            found = self._labelled[kind, name] = tuple(m.labels(name) for m in metrics)
         return found
 
     def render(self) -> bytes:

@@ -118,8 +118,8 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
                           for s in specs if s.name not in cluster.start_errors)
         console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
-                                timeout_keep_alive=30)
+        config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
         GracefulServer(config, cluster, shutdown_timeout, console).run()
     finally:
         cluster.shutdown()

@@ -39,11 +39,14 @@ def idle_misses(timing: Timing, slo: dict[str, float]) -> list[str]:
 
 class Slo(Eta):
     """For each backend, eta's replay of its queue (the router's length estimates) predicts this request's
-    TTFT (its wait for a slot, prefill and first step), TPOT (the mean step from its first token to its finish,
-    as the replay runs the batch it joins down, context depth included) and E2E (eta's finish). Then:
-    1. among the backends that meet every bound with HEADROOM to spare, eta's rule (the home backend unless
-       another finishes the request more than eta's margin sooner);
-    2. else among those that meet them at all, eta's rule;
+    TTFT (its wait for a slot, prefill and first step), TPOT (the step of the batch it joins, context depth
+    included, plus the prefills of the requests that will take the slots freed while it runs) and E2E (eta's
+    finish); a backend where its prefill would likely push a running request past the TPOT bound (`_stalls`)
+    does not meet the SLO. Then (docs/routing.md, "Routing by the SLO"):
+    1. while the home backend (the fastest decoder, and its peers) fits with its TTFT within LIGHT of the bound,
+       eta's rule among the backends that do;
+    2. else a slower backend that fits (TTFT and E2E with HEADROOM to spare), else any that fits, else any that
+       meets the SLO, eta's rule among them;
     3. else the request is lost wherever it goes: it goes where it takes nothing from requests that can still
        meet it, a backend that meets the SLO for no request even idle (the earliest finish among them); with
        none, eta's choice.
@@ -88,7 +91,7 @@ class Slo(Eta):
                 step = timing.at_depth(batch, held + request.prompt_tokens - batch * timing.depth_ref)
             if booked and self._stalls(booked, timing, uncached, tpot):
                 step = float("inf")
-            if booked:
+            elif booked:
                 # each booked request that ends before this one frees a slot a later request takes: that
                 # prefill (priced as this one's) stalls this request's decode too
                 refills = min(sum(x.left < own for x in booked), timing.max_active - 1)
