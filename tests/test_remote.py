@@ -117,8 +117,9 @@ def test_relayed_tokens_usage_cache_and_routing_log(servers):
     chunks = list(stream)
     ids = [t for c in chunks for ch in c.choices for t in (ch.token_ids or [])]
     assert ids == greedy(a, PREFIX + [4, 5], 6).choices[0].token_ids
-    # relayed as they come, not in one batch at the end; tokens that reach the router together share a chunk
-    assert 2 <= sum(bool(c.choices and c.choices[0].token_ids) for c in chunks) <= 6
+    # tokens that reach the router together share a chunk (whether they do is the host's timing; a remote that
+    # paces its tokens shows they are relayed as they come: test_text_only_remote_is_relayed_exactly...)
+    assert 1 <= sum(bool(c.choices and c.choices[0].token_ids) for c in chunks) <= 6
     usage = chunks[-1].usage
     assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens == 32
     lines = [json.loads(x) for x in (servers["tmp"] / "routing.jsonl").read_text().splitlines()]
@@ -383,8 +384,11 @@ def test_text_relay_round_trips_smollm2_and_sentencepiece_chunk_by_chunk():
 def test_text_only_remote_is_relayed_exactly_and_ids_are_used_where_sent(text_remote):
     state, url, hf = text_remote
     openai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    state["delay"] = 0.02  # the remote paces its chunks: the router relays them as they come, not at the end
     chunks = list(openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64, stream=True,
                                             stream_options={"include_usage": True}))
+    state["delay"] = 0
+    assert sum(bool(c.choices and c.choices[0].text) for c in chunks) >= len(state["chunks"]) // 4
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ANSWER
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     prompt = hf.encode("Hello there")
