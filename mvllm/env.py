@@ -171,9 +171,10 @@ def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None)
 
 def collect(backends: str) -> dict:
     specs = parse_backends(backends)
-    share_cores(specs)
+    threads = share_cores(specs)
     return {"platform": platform.platform(), "python": platform.python_version(), "build": machine.build_facts(),
-            "compute_cores": machine.compute_cores()[1], "devices": devices(), "backends_spec": backends,
+            "compute_cores": machine.compute_cores()[1], "threads": threads, "devices": devices(),
+            "backends_spec": backends,
             "backends": {s.name: backend_facts(s) for s in specs}, "knobs": knobs.set_now()}
 
 
@@ -185,6 +186,8 @@ def render(facts: dict) -> str:
              f"OpenMP {yes[b['openmp']]}, CPU kernels {b['cpu_capability']}, CUDA {b['cuda'] or 'no'}, "
              f"MPS {yes[b['mps']]}",
              f"cores         {facts['compute_cores']} to compute on"]
+    if facts.get("threads"):
+        lines.append(f"threads       {facts['threads']}")
     lines += [f"device        {name}: {what}" for name, what in facts["devices"].items()]
     lines.append(f"backends      {facts['backends_spec']}")
     for name, f in facts["backends"].items():

@@ -112,10 +112,14 @@ def test_a_slowed_client_is_flagged(monkeypatch):
     c = summarize_client(records, health, s["median_ttft_ms"])
     assert c["saturated"] and c["p99_lag_ms"] > c["limit_ms"] and warning(c).startswith("warning:")
     calm = summarize_client(records, [{"lags": [0.0001], "cpu_s": 0.1, "wall_s": 1.0}], 1e9)
-    for r in records:
-        r.sent = r.arrival
-    assert not summarize_client(records, [{"lags": [0.0001], "cpu_s": 0.1, "wall_s": 1.0}], 1e9)["saturated"]
-    assert calm["cpu"] == [0.1]
+    assert calm["cpu"] == [0.1] and not calm["saturated"]
+    # a burst: all sent at one instant's schedule, 80 ms apart at the end, by a loop on time and at 10% of a core
+    for i, r in enumerate(records):
+        r.arrival, r.sent = 0.0, 0.004 * i
+    burst = summarize_client(records, [{"lags": [0.0001] * 100, "cpu_s": 0.1, "wall_s": 1.0}], 1e9)
+    assert burst["send_lag_ms"]["p99"] > 70 and not burst["saturated"] and warning(burst) is None
+    busy = summarize_client(records, [{"lags": [0.0001] * 100, "cpu_s": 0.95, "wall_s": 1.0}], 1e9)
+    assert busy["saturated"] and "95% of a core" in warning(busy)
 
 
 def test_a_worker_that_dies_fails_the_run_naming_it():

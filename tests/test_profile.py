@@ -168,21 +168,27 @@ def test_profile_measures_each_backend_with_the_threads_serve_gives_it(monkeypat
     count (a GPU worker keeps one); profile applies the same split, or it would promise the speed of all the
     cores to each backend."""
     from mvllm import machine
-    from mvllm.backends.spec import parse_backends, share_cores
+    from mvllm.backends.spec import parse_backends, share_cores, with_threads
 
     monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
     specs = parse_backends("gpu=cpu,cpu=cpu,x=cpu/threads=3", check_devices=False)
     share_cores(specs)
     assert [s.threads for s in specs] == [8, 8, 3]
+    # beside a GPU: a core each to its worker and the API process, and under bench one to the client
     specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
-    share_cores(specs)
-    assert [s.threads for s in specs] == [1, 15]
-    with monkeypatch.context() as m:  # an M2: its 4 performance cores of 8, one left to the MPS worker
-        m.setattr(machine, "system", lambda: "darwin")
+    assert "less 1 GPU worker(s), the API process" in share_cores(specs)
+    assert [s.threads for s in specs] == [1, 14]
+    specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
+    assert share_cores(specs, client=True).startswith("13 a CPU backend")
+    assert with_threads("gpu=cuda,cpu=cpu,x=cpu/threads=3", client=True) == \
+        "gpu=cuda,cpu=cpu/threads=13,x=cpu/threads=3"  # the one without a count written in
+    with monkeypatch.context() as m:  # an M2: its 4 performance cores of 8, one left to the MPS worker; the API
+        m.setattr(machine, "system", lambda: "darwin")  # process and the client have the efficiency cores
         m.setattr(machine, "arch", lambda: "arm64")
+        m.setattr(machine, "logical_cpus", lambda: 8)
         m.setattr(machine, "sysctl", {"hw.perflevel0.physicalcpu": 4}.get)
         specs = parse_backends("gpu=mps,cpu=cpu", check_devices=False)
-        share_cores(specs)
+        share_cores(specs, client=True)
         assert [s.threads for s in specs] == [1, 3]
     monkeypatch.setattr(machine, "logical_cpus", lambda: 2)
     torch.set_num_threads(2)  # what profile would otherwise give each backend here
@@ -211,3 +217,19 @@ def test_profile_decodes_at_chosen_depths(tmp_path):
     assert "decode by depth" in res.output
     bad = CliRunner().invoke(app, ["profile", "--model", TINY, "--contexts", "0,-5"])
     assert bad.exit_code == 2 and "--contexts must be 0 or more" in bad.output
+
+
+def test_serve_warns_where_its_profile_measured_other_threads(tmp_path):
+    from mvllm.backends.spec import parse_backends
+    from mvllm.server.serve import thread_warnings
+
+    path = tmp_path / "profile.json"
+    rates = {"prefill_rate": 1000.0, "decode_rate": 100.0}
+    path.write_text(json.dumps({"model": "m", "backends": {"gpu": rates | {"threads": 1},
+                                                           "cpu": rates | {"threads": 8}}}))
+    same = parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=2", check_devices=False)
+    same[1].threads = 8
+    assert thread_warnings(str(path), same) == []
+    (line,) = thread_warnings(str(path), parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=2"))
+    assert "backend cpu with 8 thread(s); it serves with 2" in line and "\n" not in line
+    assert thread_warnings(None, parse_backends("cpu=cpu")) == []

@@ -183,6 +183,10 @@ def test_bench_measures_again_a_profile_without_the_rows_or_under_another_budget
     path.write_text(json.dumps(good))
     assert _matches(path, "m", {"cpu": 4}, {"cpu": 64})
     assert not _matches(path, "m", {"cpu": 4}, {"cpu": 256})
+    good["backends"]["cpu"]["threads"] = 8  # measured with 8 threads: not reused for a backend that runs 13
+    path.write_text(json.dumps(good))
+    assert _matches(path, "m", {"cpu": 4}, {"cpu": 64}, {"cpu": 8})
+    assert not _matches(path, "m", {"cpu": 4}, {"cpu": 64}, {"cpu": 13})
     del good["backends"]["cpu"]["chunks"]
     path.write_text(json.dumps(good))
     assert not _matches(path, "m", {"cpu": 4}, {"cpu": 64})

@@ -279,21 +279,51 @@ def default_backends() -> str:
     return "gpu=cpu,cpu=cpu"
 
 
-def share_cores(specs: list[BackendSpec]) -> None:
-    """Share the cores as `serve` runs the backends, each in its own process: CPU backends without a thread
-    count split what the GPU workers (one thread each) leave of the compute cores (on Apple silicon the
-    performance cores: machine.compute_cores). `profile` applies the same split, so a backend is measured
-    with the threads it will be served with."""
+API_PROCESSES = 1  # the server's API process (its router and streams), beside its backends' workers
+
+
+def share_cores(specs: list[BackendSpec], client: bool = False) -> str:
+    """Share the cores as `serve` runs the backends, each in its own process; returns why, in one line.
+
+    CPU backends without a thread count split the compute cores (on Apple silicon the performance cores:
+    machine.compute_cores) that the GPU workers (a core each) leave. Beside a GPU backend they also leave a core
+    to the API process, and under `bench` (`client`) one to its client: at a GPU's token rates each of those
+    keeps a core busy (on an H100, 0.81 of a core for the API process at 45k tok/s), and a CPU backend on every
+    core made the GPU serve a third less. Where the machine has more logical CPUs than compute cores (Apple's
+    efficiency cores) those two go there first. `profile` applies the same split, so a backend is measured with
+    the threads it will be served with."""
     local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
     # backend computes nothing
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
-    others = len(local) - len([s for s in local if s.device == "cpu"])
-    cores = machine.compute_cores()[0]
+    gpus = len(local) - len([s for s in local if s.device == "cpu"])
+    cores, what = machine.compute_cores()
+    serving = (API_PROCESSES + client) if gpus else 0
+    elsewhere = max(0, machine.logical_cpus() - cores)  # cores no CPU backend computes on
+    left = cores - gpus - max(0, serving - elsewhere)
     for s in cpu:
-        s.threads = max(1, (cores - others) // len(cpu))
+        s.threads = max(1, left // len(cpu))
     for s in local:
         if s.device != "cpu" and s.threads is None:
             s.threads = 1
+    if not cpu:
+        return ""
+    less = [f"{gpus} GPU worker(s)"] if gpus else []
+    if serving > elsewhere:
+        less.append("the API process" + (" and the bench client" if client else ""))
+    over = f" over {len(cpu)} CPU backends" if len(cpu) > 1 else ""
+    return f"{cpu[0].threads} a CPU backend: {what}" + (f" less {', '.join(less)}" if less else "") + over
+
+
+def with_threads(text: str, client: bool = False) -> str:
+    """The backend list `text` with the threads share_cores gives each CPU backend written in: a profile and a
+    server started from it run the same threads."""
+    specs = parse_backends(text, check_devices=False)
+    unset = [s.name for s in specs if s.device == "cpu" and s.threads is None]
+    share_cores(specs, client)
+    for s in specs:
+        if s.name in unset:
+            text = set_option(text, s.name, "threads", str(s.threads))
+    return text
 
 
 def spec_budget(spec: BackendSpec) -> int | None:

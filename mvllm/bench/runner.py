@@ -14,7 +14,7 @@ import httpx
 from rich.console import Console
 
 from mvllm import env as envinfo
-from mvllm.backends.spec import default_backends, parse_backends, set_option, spec_budget
+from mvllm.backends.spec import default_backends, parse_backends, set_option, spec_budget, with_threads
 from mvllm.bench.client import check_reachable, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
 from mvllm.bench.experiment import Experiment, ExperimentError, check_policy, find_profile
@@ -32,7 +32,9 @@ EXTERNAL = "external"
 
 
 def backend_text(exp: Experiment) -> str:
-    return default_backends() if exp.backends == "default" else exp.backends
+    """The experiment's backends, each CPU backend's threads written in as share_cores gives them beside bench's
+    client: the profile bench measures and the servers it starts run the same threads."""
+    return with_threads(default_backends() if exp.backends == "default" else exp.backends, client=True)
 
 
 def _largest(exp: Experiment) -> dict[str, int]:
@@ -54,26 +56,36 @@ def _budgets(exp: Experiment) -> dict[str, int | None]:
     return out
 
 
-def _matches(path: Path, model: str, need: dict[str, int], budgets: dict[str, int | None] | None = None) -> bool:
+def _threads(exp: Experiment) -> dict[str, int]:
+    """The threads each local CPU backend runs."""
+    return {s.name: s.threads for _, point in exp.points()
+            for s in parse_backends(backend_text(point), point.max_active, check_devices=False)
+            if s.device == "cpu" and s.threads is not None}
+
+
+def _matches(path: Path, model: str, need: dict[str, int], budgets: dict[str, int | None] | None = None,
+             threads: dict[str, int] | None = None) -> bool:
     """An earlier profile in the results folder is reused for the same model and backend names when it
-    measured every batch size up to each backend's max_active (the server cuts it to what it serves) and its
-    budgeted steps (`chunks`) under the budget each backend runs (`budgets`: None where not known here)."""
+    measured every batch size up to each backend's max_active (the server cuts it to what it serves), its
+    budgeted steps (`chunks`) under the budget each backend runs (`budgets`: None where not known here), and each
+    CPU backend with the threads it runs (`threads`)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
     have = data.get("backends", {})
-    budgets = budgets or {}
+    budgets, threads = budgets or {}, threads or {}
     return (data.get("model") == model and set(have) == set(need)
             and all(int(have[b].get("max_active") or 0) >= n for b, n in need.items())
             and all(have[b].get("chunks") and have[b].get("max_step_tokens") for b in need)
-            and all(have[b]["max_step_tokens"] == n for b, n in budgets.items() if n and b in have))
+            and all(have[b]["max_step_tokens"] == n for b, n in budgets.items() if n and b in have)
+            and all(have[b].get("threads") == n for b, n in threads.items() if b in have))
 
 
 def measure(exp: Experiment, path: Path, console: Console) -> None:
     """An "auto" profile: measured with `mvllm profile` into `path`, unless the one there already serves."""
     need = _largest(exp)
-    if _matches(path, exp.model, need, _budgets(exp)):
+    if _matches(path, exp.model, need, _budgets(exp), _threads(exp)):
         return
     backends = backend_text(exp)
     for name, n in need.items():

@@ -32,6 +32,18 @@ def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict]
     return rates_as_served(load_profile(profile), {s.name: s.max_active for s in specs if s.max_active is not None})
 
 
+def thread_warnings(profile: str | None, specs: list[BackendSpec]) -> list[str]:
+    """One line per CPU backend that the profile measured with other threads than it serves with (after
+    share_cores): its rates were another speed's."""
+    if not profile:
+        return []
+    have = load_profile(profile).get("backends", {})
+    return [f"{profile} measured backend {s.name} with {have[s.name]['threads']} thread(s); it serves with "
+            f"{s.threads}: its rates may not hold (`mvllm profile` again, or /threads={have[s.name]['threads']})"
+            for s in specs if s.device == "cpu" and s.name in have and have[s.name].get("threads") not in
+            (None, s.threads)]
+
+
 def read_prefix(path: str | None) -> str | list[int] | None:
     """A warm-prefix file holds text, or a JSON list of token ids."""
     if not path:
@@ -85,7 +97,8 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
     from mvllm.server.shutdown import GracefulServer
 
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
-    for line in lossy_warnings(specs):
+    share_cores(specs)
+    for line in lossy_warnings(specs) + thread_warnings(profile, specs):
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False)
     target = parse_slo([target_slo], "--target-slo") if target_slo else None
     if target_slo is not None and not target:
@@ -104,7 +117,6 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
     tokenizer = Tokenizer(load_tokenizer(source), model)
     if prefix is not None:
         tokenizer.encode(prefix)
-    share_cores(specs)
     cluster = Cluster(specs, model, router, restart=restart_backends, ready_timeout=ready_timeout)
     try:
         with console.status(f"starting {len(specs)} backends for {model}"):
