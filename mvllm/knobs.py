@@ -23,6 +23,9 @@ KNOBS = [
     Knob("MVLLM_KEEP_FREED", "1", "0 leaves glibc's malloc as it is (1: freed CPU activations are kept for the "
          "next step, not unmapped)", "user"),
     Knob("MVLLM_HUGE_PAGES", "1", "0: pack int8 weights without asking Linux for transparent huge pages", "user"),
+    Knob("MVLLM_START", "forkserver (Linux), spawn", "how backend workers start: spawn gives each a fresh "
+         "interpreter (and its own torch import), forkserver forks them from a process that imported torch once",
+         "user"),
     Knob("MVLLM_INT8_PATH", "(best built)", "force the int8 kernel's path: lanes8, lanes, int16 or float"),
     Knob("MVLLM_INT8_AMX", "1", "0: no AMX tiles in the int8 kernel"),
     Knob("MVLLM_TEAM", "1", "1 runs a CPU step's layers in one team of threads, 0 a parallel region an op"),

@@ -78,7 +78,8 @@ def test_eval_text_errors(smollm2, tiny, tmp_path):
 
 def test_profile_writes_accuracy(smollm2, tmp_path):
     out = tmp_path / "p.json"
-    res = runner.invoke(app, ["profile", "--backends", "cpu=cpu/threads=1,lossy=cpu/quant=int8-lossy/threads=1",
+    res = runner.invoke(app, ["profile", "--backends", "cpu=cpu/threads=1/max_step_tokens=64,"
+                              "lossy=cpu/quant=int8-lossy/threads=1/max_step_tokens=64",
                               "--lengths", "16", "--repeats", "1", "--steps", "1", "--max-active", "1",
                               "--contexts", "", "--out", str(out)])
     assert res.exit_code == 0, res.output

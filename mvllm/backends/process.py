@@ -1,6 +1,6 @@
 """A backend in its own process, as the server sees it: one small transport over two pipes.
 
-The worker (worker.py) is spawned with `worker_entry`, which imports the engine, and with it torch, in the
+The worker (worker.py) starts (backends/start.py) with `worker_entry`, which imports the engine, and with it torch, in the
 worker only: the server's process routes and streams, and imports neither. A null backend's worker (null.py)
 imports no engine at all.
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing as mp
 import threading
 
 from mvllm.backends.base import OnEvent
 from mvllm.backends.events import Abort, Call, Command, Dead, Failed, Method, Ready, Reply, Shutdown, Submit
 from mvllm.backends.spec import BackendSpec
+from mvllm.backends.start import context
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 
@@ -34,7 +34,7 @@ class ProcessBackend:
     """The server's handle on one backend worker process (a `Backend`)."""
 
     def __init__(self, spec: BackendSpec, model: str):
-        ctx = mp.get_context("spawn")
+        ctx = context(torch=not spec.null)
         self.spec, self.name = spec, spec.name
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._events, evt_send = ctx.Pipe(duplex=False)

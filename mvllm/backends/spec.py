@@ -177,10 +177,11 @@ def parse_apart(text: str | None, max_active: int | None = None) -> list[Backend
 
     if "torch" in sys.modules:
         return _parse_or_default(text, max_active)
-    import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    from mvllm.backends.start import context
+
+    with ProcessPoolExecutor(1, mp_context=context()) as pool:
         return pool.submit(_parse_or_default, text, max_active).result()
 
 
