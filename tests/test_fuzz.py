@@ -17,7 +17,7 @@ from schemathesis import GenerationMode
 from mvllm.bench.process import ServerProcess
 
 MODEL = "synthetic:tiny-qwen2"
-EXAMPLES = 500  # per operation, half valid and half invalid bodies (hypothesis stops early where a schema has few)
+EXAMPLES = 300  # per operation, half valid and half invalid bodies (hypothesis stops early where a schema has few)
 PROBE = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -62,7 +62,7 @@ def test_no_5xx_and_no_hang_on_any_endpoint(server):
 
 def test_server_is_alive_and_exact_after_fuzzing(server):
     print(f"schemathesis: {server.seen['requests']} requests, slowest {server.seen['slowest']:.2f} s")
-    assert server.seen["requests"] >= 1000, server.seen
+    assert server.seen["requests"] >= 600, server.seen
     assert server.seen["slowest"] < 60
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     again = httpx.post(f"{server.url}/v1/completions", json=PROBE, timeout=30).json()["choices"][0]
