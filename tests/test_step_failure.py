@@ -216,6 +216,8 @@ def test_a_worker_sends_an_error_for_the_failing_request_only(llama, monkeypatch
     every token (the same as when served again alone), the pool ends full, and the worker's log holds one
     line per failure and a single traceback (the same error, raised at the same place)."""
     monkeypatch.setattr(process, "worker_entry", faulty_worker)
+    # capfd reads this process's stderr; a fork server that an earlier test started writes to the one it had then
+    monkeypatch.setenv("MVLLM_START", "spawn")
     spec = BackendSpec(name="gpu", device="cpu", dtype="float32", threads=1, max_active=4, num_blocks=64)
     ps = prompts(43, [9, 13, 6, 10])
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

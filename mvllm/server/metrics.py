@@ -38,6 +38,8 @@ class Metrics:
         self._labelled: dict[tuple[str, str], tuple] = {}
         for name in backends:
             self.backend_up.labels(name).set(1)
+            self.running.labels(name).set(0)  # every backend's load is read from the start, before its first step
+            self.waiting.labels(name).set(0)
             for counter in (self.routed, self.restarts, self.rerouted):
                 counter.labels(name)
 
