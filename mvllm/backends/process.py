@@ -1,8 +1,8 @@
 """A backend in its own process, as the server sees it: one small transport over two pipes.
 
-The worker (worker.py) starts (backends/start.py) with `worker_entry`, which imports the engine, and with it torch, in the
-worker only: the server's process routes and streams, and imports neither. A null backend's worker (null.py)
-imports no engine at all.
+The worker (worker.py) starts (backends/start.py) with `worker_entry`, which imports the engine, and with it
+torch, in the worker only: the server's process routes and streams, and imports neither. A null backend's worker
+(null.py) imports no engine at all.
 """
 
 from __future__ import annotations

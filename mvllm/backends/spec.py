@@ -289,8 +289,8 @@ def share_cores(specs: list[BackendSpec], client: bool = False) -> str:
     CPU backends without a thread count split the compute cores (on Apple silicon the performance cores:
     machine.compute_cores) that the GPU workers (a core each) leave. Beside a GPU backend they also leave a core
     to the API process, and under `bench` (`client`) one to its client: at a GPU's token rates each of those
-    keeps a core busy (on an H100, 0.81 of a core for the API process at 45k tok/s), and a CPU backend on every
-    core made the GPU serve a third less. Where the machine has more logical CPUs than compute cores (Apple's
+    keeps most of a core busy, and a CPU backend on every core but the GPU worker's slowed the GPU's serving
+    (docs/backends.md). Where the machine has more logical CPUs than compute cores (Apple's
     efficiency cores) those two go there first. `profile` applies the same split, so a backend is measured with
     the threads it will be served with."""
     local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
