@@ -221,6 +221,7 @@ def test_profile_decodes_at_chosen_depths(tmp_path):
 
 def test_serve_warns_where_its_profile_measured_other_threads(tmp_path):
     from mvllm.backends.spec import parse_backends
+    from mvllm.routing.rates import load_profile
     from mvllm.server.serve import thread_warnings
 
     path = tmp_path / "profile.json"
@@ -229,7 +230,8 @@ def test_serve_warns_where_its_profile_measured_other_threads(tmp_path):
                                                            "cpu": rates | {"threads": 8}}}))
     same = parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=2", check_devices=False)
     same[1].threads = 8
-    assert thread_warnings(str(path), same) == []
-    (line,) = thread_warnings(str(path), parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=2"))
+    data = load_profile(path)
+    assert thread_warnings(str(path), data, same) == []
+    (line,) = thread_warnings(str(path), data, parse_backends("gpu=cpu/threads=1,cpu=cpu/threads=2"))
     assert "backend cpu with 8 thread(s); it serves with 2" in line and "\n" not in line
-    assert thread_warnings(None, parse_backends("cpu=cpu")) == []
+    assert thread_warnings(None, None, parse_backends("cpu=cpu")) == []

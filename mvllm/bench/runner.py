@@ -46,21 +46,21 @@ def _largest(exp: Experiment) -> dict[str, int]:
     return need
 
 
+def _specs(exp: Experiment):
+    """Every backend spec of every point, as bench starts it (settings only: no device checked)."""
+    for _, point in exp.points():
+        yield from parse_backends(backend_text(point), point.max_active, check_devices=False)
+
+
 def _budgets(exp: Experiment) -> dict[str, int | None]:
     """The step budget each backend runs: its spec's max_step_tokens, else the default for its device where
     this host can tell it (the CPU and MPS; a CUDA device present here); None where not known."""
-    out: dict[str, int | None] = {}
-    for _, point in exp.points():
-        for spec in parse_backends(backend_text(point), point.max_active, check_devices=False):
-            out[spec.name] = spec_budget(spec)
-    return out
+    return {spec.name: spec_budget(spec) for spec in _specs(exp)}
 
 
 def _threads(exp: Experiment) -> dict[str, int]:
     """The threads each local CPU backend runs."""
-    return {s.name: s.threads for _, point in exp.points()
-            for s in parse_backends(backend_text(point), point.max_active, check_devices=False)
-            if s.device == "cpu" and s.threads is not None}
+    return {s.name: s.threads for s in _specs(exp) if s.device == "cpu" and s.threads is not None}
 
 
 def _matches(path: Path, model: str, need: dict[str, int], budgets: dict[str, int | None] | None = None,

@@ -44,8 +44,7 @@ class Metrics:
                 counter.labels(name)
 
     def observe_snapshot(self, name: str, snap: dict) -> None:
-        running, waiting, kv_usage, queries, hits = self._children("snapshot", name, (
-            self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits))
+        running, waiting, kv_usage, queries, hits = self._children("snapshot", name)
         running.set(snap["running"])
         waiting.set(snap["waiting"])
         kv_usage.set(snap["kv_usage"])
@@ -54,8 +53,7 @@ class Metrics:
 
     def observe_request(self, name: str, prompt: int, cached: int, generated: int, ttft: float | None,
                         e2e: float) -> None:
-        prompt_tokens, cached_tokens, generation_tokens, ttfts, e2es = self._children("request", name, (
-            self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.ttft, self.e2e))
+        prompt_tokens, cached_tokens, generation_tokens, ttfts, e2es = self._children("request", name)
         prompt_tokens.inc(prompt)
         cached_tokens.inc(cached)
         generation_tokens.inc(generated)
@@ -63,10 +61,14 @@ class Metrics:
             ttfts.observe(ttft)
         e2es.observe(e2e)
 
-    def _children(self, kind: str, name: str, metrics: tuple) -> tuple:
-        """A backend's labelled children of these metrics, looked up once (every step sets the snapshot's)."""
+    KINDS = {"snapshot": ("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"),
+             "request": ("prompt_tokens", "cached_tokens", "generation_tokens", "ttft", "e2e")}
+
+    def _children(self, kind: str, name: str) -> tuple:
+        """A backend's labelled children of the metrics of `kind` (KINDS), looked up once: every step sets the
+        snapshot's."""
         if (found := self._labelled.get((kind, name))) is None:
-            found = self._labelled[kind, name] = tuple(m.labels(name) for m in metrics)
+            found = self._labelled[kind, name] = tuple(getattr(self, m).labels(name) for m in self.KINDS[kind])
         return found
 
     def render(self) -> bytes:

@@ -25,19 +25,20 @@ from mvllm.slo import parse_slo
 console = Console(stderr=True, soft_wrap=True)
 
 
-def read_rates(profile: str | None, specs: list[BackendSpec]) -> dict[str, dict] | None:
-    """Each backend's profiled rates, as it will serve (routing/rates.py)."""
+def read_rates(profile: str | dict | None, specs: list[BackendSpec]) -> dict[str, dict] | None:
+    """Each backend's profiled rates, as it will serve (routing/rates.py); `profile`: its path, or its data."""
     if not profile:
         return None
-    return rates_as_served(load_profile(profile), {s.name: s.max_active for s in specs if s.max_active is not None})
+    data = load_profile(profile) if isinstance(profile, str) else profile
+    return rates_as_served(data, {s.name: s.max_active for s in specs if s.max_active is not None})
 
 
-def thread_warnings(profile: str | None, specs: list[BackendSpec]) -> list[str]:
-    """One line per CPU backend that the profile measured with other threads than it serves with (after
-    share_cores): its rates were another speed's."""
-    if not profile:
+def thread_warnings(profile: str | None, data: dict | None, specs: list[BackendSpec]) -> list[str]:
+    """One line per CPU backend that the profile (`data`, read from `profile`) measured with other threads than
+    it serves with (after share_cores): its rates were another speed's."""
+    if not data:
         return []
-    have = load_profile(profile).get("backends", {})
+    have = data.get("backends", {})
     return [f"{profile} measured backend {s.name} with {have[s.name]['threads']} thread(s); it serves with "
             f"{s.threads}: its rates may not hold (`mvllm profile` again, or /threads={have[s.name]['threads']})"
             for s in specs if s.device == "cpu" and s.name in have and have[s.name].get("threads") not in
@@ -98,7 +99,8 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
 
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
     share_cores(specs)
-    for line in lossy_warnings(specs) + thread_warnings(profile, specs):
+    data = load_profile(profile) if profile else None  # read once: its rates and its threads
+    for line in lossy_warnings(specs) + thread_warnings(profile, data, specs):
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False)
     target = parse_slo([target_slo], "--target-slo") if target_slo else None
     if target_slo is not None and not target:
@@ -108,7 +110,7 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
         console.print(f"mvllm: one backend ({specs[0].name}): every request goes to it (policy {chosen}; "
                       "--policy picks another)", highlight=False)
     policy = chosen
-    router = Router([s.name for s in specs], policy, read_rates(profile, specs), routing_log, slo=target)
+    router = Router([s.name for s in specs], policy, read_rates(data, specs), routing_log, slo=target)
     unmet = unmet_warning(router)
     if unmet:
         console.print(f"[yellow]warning:[/yellow] {unmet}", highlight=False)
