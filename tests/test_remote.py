@@ -226,7 +226,7 @@ def test_killed_remote_reroutes_unstarted_ends_streams_and_comes_back(servers):
         waiting = [threading.Thread(target=one, args=(i,)) for i in range(2)]
         for t in waiting:
             t.start()
-        wait_for(lambda: len(lines) > 1000 or queued_behind_the_stream(), 60, 0.02)
+        wait_for(lambda seen=lines: len(seen) > 1000 or queued_behind_the_stream(), 60, 0.02)
         if len(lines) < 1000 and queued_behind_the_stream():  # half the stream still to come when a is killed
             break
         for t in [stream, *waiting]:

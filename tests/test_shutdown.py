@@ -15,11 +15,12 @@ from conftest import wait_for
 from mvllm.bench.process import ServerProcess
 
 MODEL = "synthetic:smollm2-135m"  # slow enough on one thread (~10-30 ms a step) to stop mid-stream
+TINY = "synthetic:tiny-llama"  # ~0.7 ms a step: starts in half the time, where no stream must outlast a timeout
 BACKENDS = "gpu=cpu/threads=1,cpu=cpu/threads=1"
 
 
-def start(tmp_path, *args) -> ServerProcess:
-    server = ServerProcess(["--model", MODEL, "--backends", BACKENDS, "--policy", "round-robin", *args],
+def start(tmp_path, *args, model: str = MODEL) -> ServerProcess:
+    server = ServerProcess(["--model", model, "--backends", BACKENDS, "--policy", "round-robin", *args],
                            tmp_path / "server.log").start()
     server.wait_ready(180)
     return server
@@ -42,8 +43,8 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def stream(url: str, max_tokens: int, out: list, started: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "temperature": 0,
+def stream(url: str, max_tokens: int, out: list, started: threading.Event, model: str = MODEL) -> None:
+    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -82,11 +83,11 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
 
 
 def test_running_requests_finish_within_the_timeout(tmp_path):
-    server = start(tmp_path, "--shutdown-timeout", "30")
+    server = start(tmp_path, "--shutdown-timeout", "30", model=TINY)
     try:
         chunks: list[str] = []
         started = threading.Event()
-        reader = threading.Thread(target=stream, args=(server.url, 100, chunks, started))
+        reader = threading.Thread(target=stream, args=(server.url, 1500, chunks, started, TINY))
         reader.start()
         assert started.wait(60)
         server.proc.send_signal(signal.SIGINT)  # Ctrl-C drains the same way as SIGTERM
@@ -94,14 +95,14 @@ def test_running_requests_finish_within_the_timeout(tmp_path):
         assert not reader.is_alive()
         finals = [json.loads(c)["choices"][0] for c in chunks if c != "[DONE]"]
         assert chunks[-1] == "[DONE]" and finals[-1]["finish_reason"] == "length"
-        assert sum(len(c["token_ids"]) for c in finals) == 100
+        assert sum(len(c["token_ids"]) for c in finals) == 1500
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
 
 
 def test_workers_do_not_outlive_a_killed_server(tmp_path):
-    server = start(tmp_path)
+    server = start(tmp_path, model=TINY)
     try:
         workers = children(server.proc.pid)
         assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)

@@ -30,8 +30,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """On the CPU, also where the model is built on the meta device (there torch's ops run Python reference
+    kernels, whose first call imports torch._dynamo: ~2 s of CPU)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     s = cfg.rope_scaling
     if not s:
         return inv
@@ -53,7 +55,7 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         inv = rope_inv_freq(cfg)
-        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv)
+        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32, device=inv.device), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -142,7 +144,10 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # its weight given, not drawn: the model is built on the meta device and its weights loaded after, and
+        # nn.Embedding's normal_ on meta runs a Python reference kernel that imports torch._dynamo (~2 s of CPU)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)

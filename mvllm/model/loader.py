@@ -169,10 +169,9 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -
 
     from mvllm.model.decoder import Decoder
 
-    with torch.device("meta"):
+    with torch.device("meta"):  # no weights drawn only to be overwritten (the rotary tables are made on the CPU)
         model = Decoder(source.config)
-    model = model.to_empty(device="cpu").float()
-    model.rotary.__init__(source.config)
+    _allocate(model)
     if source.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if source.synthetic:
@@ -185,6 +184,18 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -
         except RuntimeError as e:  # a tensor whose shape does not fit the config
             raise UnsupportedModelError(f"{source.path}: the weights do not fit config.json ({first_line(e)})") from None
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _allocate(model: Decoder) -> None:
+    """Each parameter on the meta device replaced by an uninitialized float32 one on the CPU. (Module.to_empty
+    does this through empty_like of a meta tensor: a Python reference kernel that imports sympy and torch.fx,
+    ~1 s of CPU in every worker.)"""
+    import torch
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape), requires_grad=p.requires_grad)
 
 
 def _init_synthetic(model: Decoder) -> None:

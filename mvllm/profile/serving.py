@@ -128,12 +128,13 @@ class Load:
 
 def decode_gap_s(recs: list[RequestRecord]) -> float:
     """Median over requests of the mean time between tokens while all of them decode (from the last one's
-    first token to the first one's last token), so chunks read together do not count as a 0 and a 2x gap."""
+    first token to the first one's last token), so chunks read together do not count as a 0 and a 2x gap. A
+    request whose tokens there all came at one instant (a starved client read them at once) tells nothing."""
     lo, hi = max(r.first_token for r in recs), min(r.chunks[-1] for r in recs)
     gaps = []
     for r in recs:
         inside = [t for t in r.chunks if lo <= t <= hi]
-        if len(inside) >= 2:
+        if len(inside) >= 2 and inside[-1] > inside[0]:
             gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
     if not gaps:
         raise ServingError("serving overheads: the requests of a batch never decoded together")
