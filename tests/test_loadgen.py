@@ -15,7 +15,7 @@ import pytest
 from mvllm.bench import client
 from mvllm.bench.health import summarize_client, warning
 from mvllm.bench.http import ResponseParser
-from mvllm.bench.loadgen import ClientError, _next, deal, generate
+from mvllm.bench.loadgen import ClientError, _next, deal, generate, run_loop
 from mvllm.bench.metrics import summarize
 from mvllm.bench.request import Request
 from mvllm.bench.stub import MODEL, StubServer
@@ -143,3 +143,25 @@ def test_replay_in_this_process_still_works():
     with StubServer() as stub:
         records, duration, _ = asyncio.run(client.replay(stub.url, MODEL, requests(4), 30.0))
     assert [r.ok for r in records] == [True] * 5 and duration > 0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio's runner turns Ctrl-C into a cancellation from 3.11")
+def test_ctrl_c_ends_a_replay_that_went_on_after_it():
+    """asyncio's runner makes Ctrl-C a cancellation of the main task; a coroutine that returns through it (as
+    Python 3.11's wait_for does where its wait finished at that moment) still ends in KeyboardInterrupt."""
+    import signal
+    import threading
+
+    async def goes_on() -> str:
+        for _ in range(3):
+            try:
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                pass
+        return "finished"
+
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_loop(goes_on())
+    timer.join()

@@ -37,12 +37,23 @@ def auto_workers() -> int:
 
 
 def run_loop(coro):
-    """asyncio.run on uvloop where it is installed (its transports cost less a read)."""
+    """asyncio.run on uvloop where it is installed (its transports cost less a read). Ctrl-C ends it with
+    KeyboardInterrupt, also where the coroutine went on: asyncio's runner makes the signal a cancellation of the
+    main task, which a wait that finished at that moment returns through (Python 3.11's wait_for), and then the
+    interrupt was lost."""
+
+    async def main():
+        result = await coro
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (Python 3.11 on)
+        if cancelling is not None and cancelling():  # cancelled on Ctrl-C, and it went on: the runner re-raises it
+            raise asyncio.CancelledError
+        return result
+
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(main())
+    return uvloop.run(main())
 
 
 def deal(requests: list[Request], workers: int) -> list[list[Request]]:
