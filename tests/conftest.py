@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -19,6 +20,11 @@ if not torch.cuda.is_available():
 # One intra-op thread: these models are tiny, and on a shared 2-core machine a second spinning OpenMP
 # thread made SmolLM2 steps ~10x slower.
 torch.set_num_threads(1)
+
+# The tests' HTTP calls to the servers they start: httpx.get and friends build a client, and its TLS context
+# (~45 ms of CPU), at every call, and a wait that polls every 20 ms then took a core. A fresh connection per
+# request still, as those calls make.
+http_client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 VOCAB = 256
 EOS = VOCAB - 1
@@ -146,14 +152,12 @@ def start_long_stream(url: str, model: str, max_tokens: int, timeout: float):
     line). Fault tests kill its backend mid-stream."""
     import threading
 
-    import httpx
-
     lines: list[str] = []
     streaming = threading.Event()
 
     def run():
         body = {"model": model, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+        with http_client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line[6:])

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from conftest import start_long_stream, wait_for
+from conftest import http_client, start_long_stream, wait_for
 
 from mvllm.bench.process import ServerError, ServerProcess
 
@@ -23,7 +23,7 @@ BACKENDS = "gpu=cpu/threads=1/max_active=1,cpu=cpu/threads=1/max_active=1"
 
 def post(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    return http_client.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
 def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
@@ -33,7 +33,7 @@ def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
                             "--warm-prefix", str(tmp_path / "prefix.json")], tmp_path / "server.log").start()
     server.wait_ready(180)
     try:
-        pids = {b["name"]: b["pid"] for b in httpx.get(f"{server.url}/v1/backends").json()}
+        pids = {b["name"]: b["pid"] for b in http_client.get(f"{server.url}/v1/backends").json()}
         queued: dict[int, httpx.Response] = {}
 
         def one(i: int):
@@ -46,7 +46,7 @@ def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
             t.start()
 
         def queued_behind_the_stream() -> bool:  # the three wait behind the stream on the gpu backend (max_active 1)
-            gpu = next(b for b in httpx.get(f"{server.url}/v1/backends", timeout=30).json() if b["name"] == "gpu")
+            gpu = next(b for b in http_client.get(f"{server.url}/v1/backends", timeout=30).json() if b["name"] == "gpu")
             return gpu.get("running") == 1 and gpu.get("waiting") == 3
 
         wait_for(queued_behind_the_stream, 60, 0.05)
@@ -65,15 +65,15 @@ def test_dead_backend_reroutes_what_had_not_started_and_comes_back(tmp_path):
                 "choices"][0]["token_ids"]
 
         def restarted() -> bool:  # the restart counts once the new worker is warmed and back in the router
-            health = httpx.get(f"{server.url}/health", timeout=30)
+            health = http_client.get(f"{server.url}/health", timeout=30)
             return health.status_code == 200 and health.json()["backends"]["gpu"]["restarts"] >= 1
 
         wait_for(restarted, 120, 0.5)
-        health = httpx.get(f"{server.url}/health").json()
+        health = http_client.get(f"{server.url}/health").json()
         assert health["status"] == "ok" and health["backends"]["gpu"] == {"alive": True, "restarts": 1}
         again = post(server.url, prefix + [9, 9], 4).json()
         assert again["backend"] == "gpu" and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = http_client.get(f"{server.url}/metrics").text
         assert 'mvllm_backend_restarts_total{backend="gpu"} 1.0' in metrics
         assert 'mvllm_requests_rerouted_total{backend="gpu"} 3.0' in metrics
     finally:
@@ -105,13 +105,13 @@ def test_a_backend_that_fails_to_start_is_left_out(tmp_path, not_openai):
     try:
         with pytest.raises(ServerError, match=f"started without a backend: backend far: {not_openai} has no /v1/models"):
             server.wait_ready(180)
-        health = httpx.get(f"{server.url}/health", timeout=10)
+        health = http_client.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 503
         body = health.json()
         assert body["down"] == ["far"] and body["backends"]["cpu"]["alive"]
         assert "is it an OpenAI-compatible server?" in body["backends"]["far"]["start_error"]
         for _ in range(3):
-            r = httpx.post(f"{server.url}/v1/completions", json={"model": "synthetic:tiny-qwen2", "prompt": [1, 2, 3],
+            r = http_client.post(f"{server.url}/v1/completions", json={"model": "synthetic:tiny-qwen2", "prompt": [1, 2, 3],
                                                                  "max_tokens": 3, "temperature": 0}, timeout=60)
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
         assert "serving without backend far" in (tmp_path / "server.log").read_text()

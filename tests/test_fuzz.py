@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 import schemathesis
-from conftest import wait_for
+from conftest import http_client, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -27,7 +26,7 @@ def server(tmp_path_factory):
     server = ServerProcess(["--model", MODEL, "--backends", "gpu=cpu/threads=1,cpu=cpu/threads=1", "--policy",
                             "round-robin"], tmp / "server.log").start()
     server.wait_ready(180)
-    server.probe = httpx.post(f"{server.url}/v1/completions", json=PROBE, timeout=30).json()["choices"][0]
+    server.probe = http_client.post(f"{server.url}/v1/completions", json=PROBE, timeout=30).json()["choices"][0]
     server.seen = {"requests": 0, "slowest": 0.0}
     yield server
     server.stop()
@@ -64,14 +63,14 @@ def test_server_is_alive_and_exact_after_fuzzing(server):
     print(f"schemathesis: {server.seen['requests']} requests, slowest {server.seen['slowest']:.2f} s")
     assert server.seen["requests"] >= 600, server.seen
     assert server.seen["slowest"] < 60
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    again = httpx.post(f"{server.url}/v1/completions", json=PROBE, timeout=30).json()["choices"][0]
+    assert http_client.get(f"{server.url}/health", timeout=10).status_code == 200
+    again = http_client.post(f"{server.url}/v1/completions", json=PROBE, timeout=30).json()["choices"][0]
     assert again["token_ids"] == server.probe["token_ids"]
     pools: dict = {}
 
     def pools_whole() -> bool:
         pools.update({b["name"]: (b["free_blocks"], b["num_blocks"]) for b in
-                      httpx.get(f"{server.url}/v1/backends", timeout=30).json()})
+                      http_client.get(f"{server.url}/v1/backends", timeout=30).json()})
         return all(free == total for free, total in pools.values())
 
     wait_for(pools_whole, 60, 0.2, lambda: f"KV blocks (free, total) per backend: {pools}")

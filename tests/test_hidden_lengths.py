@@ -8,9 +8,8 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import wait_for
+from conftest import http_client, wait_for
 from test_server import BACKENDS, MODEL, complete, mixed, wait_pools_full  # noqa: F401 (mixed: a fixture)
 
 from mvllm.bench import experiment as ex
@@ -128,4 +127,4 @@ def test_bad_benchmark_length_types_get_a_400(server):
     for value in (-3, "seven", 1.5):
         r = complete(server, max_tokens=8, benchmark_length=value)
         assert r.status_code == 400, r.text
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert http_client.get(f"{server.url}/health").status_code == 200

@@ -12,9 +12,8 @@ import shutil
 import subprocess
 import sys
 
-import httpx
 import pytest
-from conftest import MAC, libomp_standin
+from conftest import MAC, http_client, libomp_standin
 
 from mvllm.bench.process import ServerProcess
 from mvllm.machine import cache_dir
@@ -100,7 +99,7 @@ def test_serve_answers_sampled_and_greedy_requests(mac):
     try:
         server.wait_ready(300)
         for body in ({}, {"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 7}):
-            r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+            r = http_client.post(f"{server.url}/v1/completions", timeout=120,
                            json={"model": TINY, "prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True, **body})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 5

@@ -6,8 +6,8 @@ import json
 import os
 import time
 
-import httpx
 import pytest
+from conftest import http_client
 from typer.testing import CliRunner
 
 from mvllm.backends.null import Clock
@@ -33,7 +33,7 @@ def stream(url: str, body: dict, stop_after: int | None = None) -> tuple[list[in
     body = {"model": MODEL, "prompt": [5, 6, 7], "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **body}
     ids, chunks = [], []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+    with http_client.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -82,7 +82,7 @@ def test_a_served_request_gets_exactly_max_tokens(server):
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     ids, chunks = stream(server.url, {"max_tokens": 9, "benchmark_length": 4})
     assert len(ids) == 4 and [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 5}, timeout=30)
+    r = http_client.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 5}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     assert r.headers["x-mvllm-backend"] == "gpu"
 
@@ -94,7 +94,7 @@ def test_an_abort_frees_its_slot(server):
     start = time.monotonic()
     ids, _ = stream(server.url, {"max_tokens": 4})
     assert len(ids) == 4 and time.monotonic() - start < 10
-    snap = httpx.get(f"{server.url}/v1/backends", timeout=10).json()[0]
+    snap = http_client.get(f"{server.url}/v1/backends", timeout=10).json()[0]
     assert (snap["device"], snap["running"], snap["waiting"], snap["booked_active"]) == ("null", 0, 0, 0)
     assert snap["pid"] != server.proc.pid and os.path.exists(f"/proc/{snap['pid']}")
 
@@ -104,7 +104,7 @@ def test_a_stream_arrives_whole_and_in_order_however_slowly_it_is_read(server):
     a client that reads late still gets every token once, in order."""
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "stream": True}
     ids = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+    with http_client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
         for i, line in enumerate(r.iter_lines()):
             if i in (2, 40):
                 time.sleep(0.5)  # 25 steps' tokens wait for the reader
@@ -114,7 +114,7 @@ def test_a_stream_arrives_whole_and_in_order_however_slowly_it_is_read(server):
 
 
 def test_neither_the_api_process_nor_the_null_worker_loads_torch(server):
-    pid = httpx.get(f"{server.url}/v1/backends", timeout=10).json()[0]["pid"]
+    pid = http_client.get(f"{server.url}/v1/backends", timeout=10).json()[0]["pid"]
     for p in (server.proc.pid, pid):
         with open(f"/proc/{p}/maps") as f:
             assert "libtorch" not in f.read(), p

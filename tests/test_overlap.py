@@ -5,9 +5,8 @@ in the pool. (Its speed is the GPU's question; here the device is the CPU.)"""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from conftest import prompts
+from conftest import http_client, prompts
 
 from mvllm import SamplingParams
 from mvllm.engine.engine import Engine, EngineConfig
@@ -126,13 +125,13 @@ def test_a_server_with_overlap_answers_as_without_and_returns_every_block(tmp_pa
         backends = ",".join(f"{b}/overlap={overlap}" for b in BACKENDS.split(","))
         server = start(folder, "--policy", "gpu-only", backends=backends)
         try:
-            assert {b["overlap"] for b in httpx.get(f"{server.url}/v1/backends").json()} == {overlap == "on"}
+            assert {b["overlap"] for b in http_client.get(f"{server.url}/v1/backends").json()} == {overlap == "on"}
             answers.append([complete(server, prompt=p, max_tokens=9, ignore_eos=True).json()["choices"][0]["token_ids"]
                             for p in prompts_])
             before = wait_pools_full(server)
             body = {"prompt": list(range(40)), "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
                     "stream": True, "model": MODEL}
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            with http_client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
                 name, lines = r.headers["x-mvllm-backend"], r.iter_lines()
                 for _ in range(6):
                     next(lines)

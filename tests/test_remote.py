@@ -6,6 +6,7 @@ the router's tokenizer."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -16,9 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import start_long_stream, wait_for
+from conftest import http_client, start_long_stream, wait_for
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from openai import OpenAI
@@ -68,8 +68,13 @@ def servers(tmp_path_factory):
     assert SECRET not in (tmp / "router.log").read_text() + (tmp / "routing.jsonl").read_text()
 
 
+@functools.cache
+def _client(url: str) -> OpenAI:  # one per server: each builds an HTTP client and its TLS context (~45 ms of CPU)
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return _client(server.url)
 
 
 def greedy(server: ServerProcess, prompt: list[int], n: int):
@@ -129,40 +134,40 @@ def test_relayed_tokens_usage_cache_and_routing_log(servers):
     assert decisions[0]["cached_prefix"] == {"gpu": 0, "cpu": 0} and decisions[1]["cached_prefix"]["gpu"] == 32
     # the direct call went around the router: remote a had the prefix cached, the shadow index could not know
     assert [(n["estimated_cached"], n["actual_cached"]) for n in notes] == [(0, 32), (32, 32)]
-    health = httpx.get(f"{router.url}/health").json()
+    health = http_client.get(f"{router.url}/health").json()
     assert health["status"] == "ok" and health["backends"]["gpu"]["url"] == a.url
     assert health["backends"]["gpu"]["relay"] == "token_ids"
-    assert SECRET not in httpx.get(f"{router.url}/v1/backends").text
+    assert SECRET not in http_client.get(f"{router.url}/v1/backends").text
 
 
 def test_one_backend_serves_without_a_policy_and_a_policy_it_lacks_is_400(servers):
     b = servers["b"]
     said = [line for line in (servers["tmp"] / "b.log").read_text().splitlines() if "one backend" in line]
     assert said == ["mvllm: one backend (cpu): every request goes to it (policy cpu-only; --policy picks another)"]
-    r = httpx.post(f"{b.url}/v1/policy", json={"policy": "gpu-only"})
+    r = http_client.post(f"{b.url}/v1/policy", json={"policy": "gpu-only"})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "policy gpu-only needs a backend named 'gpu'; backends are cpu"
-    assert httpx.post(f"{b.url}/v1/policy", json={"policy": "cpu-only"}).json() == {"policy": "cpu-only"}
+    assert http_client.post(f"{b.url}/v1/policy", json={"policy": "cpu-only"}).json() == {"policy": "cpu-only"}
     assert greedy(b, [1, 2, 3], 4).backend == "cpu"
 
 
 def test_bad_requests_are_400_and_nothing_reaches_a_remote(servers):
     router = servers["router"]
-    r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 5000})
+    r = http_client.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 5000})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
-    r = httpx.post(f"{router.url}/v1/completions", json={"model": "other", "prompt": [1]})
+    r = http_client.post(f"{router.url}/v1/completions", json={"model": "other", "prompt": [1]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
 def test_client_hang_up_aborts_the_remote_request(servers):
     a, router = servers["a"], servers["router"]
     body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+    with http_client.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
-    wait_for(lambda: httpx.get(f"{a.url}/v1/backends", timeout=30).json()[0]["running"] == 0, 60, 0.05)
-    generated = next(line for line in httpx.get(f"{a.url}/metrics").text.splitlines()
+    wait_for(lambda: http_client.get(f"{a.url}/v1/backends", timeout=30).json()[0]["running"] == 0, 60, 0.05)
+    generated = next(line for line in http_client.get(f"{a.url}/metrics").text.splitlines()
                      if line.startswith("mvllm_generation_tokens_total"))
     assert float(generated.split()[-1]) < 2000  # aborted at the remote, not run to the end
 
@@ -214,7 +219,7 @@ def test_killed_remote_reroutes_unstarted_ends_streams_and_comes_back(servers):
         queued[i] = greedy(router, PREFIX + [i], 5)
 
     def queued_behind_the_stream() -> bool:  # both wait behind the stream at remote a (1 active)
-        load = httpx.get(f"{a.url}/v1/backends", timeout=30).json()[0]
+        load = http_client.get(f"{a.url}/v1/backends", timeout=30).json()[0]
         return load.get("running") == 1 and load.get("waiting") == 2
 
     # The stream lasts ~1.4 s on a quiet host. On a loaded one the two requests can take longer than that to reach
@@ -243,20 +248,20 @@ def test_killed_remote_reroutes_unstarted_ends_streams_and_comes_back(servers):
     assert {r.backend for r in queued.values()} == {"cpu"}  # re-routed: the client saw no error
     for i, r in queued.items():
         assert r.choices[0].token_ids == greedy(b, PREFIX + [i], 5).choices[0].token_ids
-    health = httpx.get(f"{router.url}/health")
+    health = http_client.get(f"{router.url}/health")
     gpu = health.json()["backends"]["gpu"]
     assert health.status_code == 503 and gpu["alive"] is False and "next_probe_in_s" in gpu
-    assert 'mvllm_requests_rerouted_total{backend="gpu"} 2.0' in httpx.get(f"{router.url}/metrics").text
+    assert 'mvllm_requests_rerouted_total{backend="gpu"} 2.0' in http_client.get(f"{router.url}/metrics").text
     assert greedy(router, [5, 6], 2).backend == "cpu"
     a.start()  # the same address again: the router probes with back-off and routes to it again
     a.wait_ready(120)
 
     def back() -> bool:
-        health = httpx.get(f"{router.url}/health", timeout=30)
+        health = http_client.get(f"{router.url}/health", timeout=30)
         return health.status_code == 200 and health.json()["backends"]["gpu"]["restarts"] >= 1
 
     wait_for(back, 60, 0.2)
-    assert httpx.get(f"{router.url}/health").json()["backends"]["gpu"]["restarts"] == 1
+    assert http_client.get(f"{router.url}/health").json()["backends"]["gpu"]["restarts"] == 1
     assert greedy(router, [5, 6], 2).backend == "gpu"
 
 
@@ -413,13 +418,13 @@ def test_text_only_remote_is_relayed_exactly_and_ids_are_used_where_sent(text_re
     # its finish_reason, and the held text must still reach the client
     held = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64, stop=["zzz"])
     assert held.choices[0].text == ANSWER
-    gpu = httpx.get(f"{url}/health").json()["backends"]["gpu"]
+    gpu = http_client.get(f"{url}/health").json()["backends"]["gpu"]
     assert gpu["relay"] == "text" and gpu["text_tokens"] == {"remote": 3 * remote, "relayed": 3 * remote,
                                                              "mismatches": 0}
     state["ids"] = True  # llama.cpp's `tokens` (return_tokens): the ids are used, the text ("?") is not
     ids = openai.completions.create(model=SMOLLM2, prompt="Hello there", max_tokens=64)
     assert ids.choices[0].text == ANSWER and ids.choices[0].token_ids == [t for _, c in state["chunks"] for t in c]
-    assert httpx.get(f"{url}/health").json()["backends"]["gpu"]["relay"] == "token_ids"
+    assert http_client.get(f"{url}/health").json()["backends"]["gpu"]["relay"] == "token_ids"
 
 
 @needs_smollm2

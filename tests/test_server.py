@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from conftest import http_client
 
 from mvllm.bench.process import ServerProcess
 
@@ -41,11 +42,11 @@ def mixed(tmp_path_factory):
 
 def complete(server, **body) -> httpx.Response:
     body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0, **body}
-    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    return http_client.post(f"{server.url}/v1/completions", json=body, timeout=60)
 
 
 def pools(server) -> dict[str, tuple[int, int]]:
-    return {b["name"]: (b["free_blocks"], b["num_blocks"]) for b in httpx.get(f"{server.url}/v1/backends").json()}
+    return {b["name"]: (b["free_blocks"], b["num_blocks"]) for b in http_client.get(f"{server.url}/v1/backends").json()}
 
 
 def wait_pools_full(server, timeout=20.0) -> dict:
@@ -94,7 +95,7 @@ def test_completion_reports_backend_and_usage(mixed):
 
 def test_warm_prefix_is_reported_as_cached_tokens(mixed):
     prefix = list(range(100, 164))  # 4 full blocks
-    r = httpx.post(f"{mixed.url}/v1/warm", json={"prompt": prefix}, timeout=60)
+    r = http_client.post(f"{mixed.url}/v1/warm", json={"prompt": prefix}, timeout=60)
     assert r.json() == {"cached_tokens": {"gpu": 64, "cpu": 64}}
     body = complete(mixed, prompt=prefix + [7, 8, 9]).json()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
@@ -127,7 +128,7 @@ def test_bad_requests_get_openai_400(mixed, body, param):
 
 
 def test_max_tokens_beyond_the_context_gets_vllms_400_and_absent_means_to_its_end(mixed):
-    max_len = httpx.get(f"{mixed.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    max_len = http_client.get(f"{mixed.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
     r = complete(mixed, prompt=[1, 2, 3, 4], max_tokens=max_len)
     assert r.status_code == 400
     err = r.json()["error"]
@@ -136,17 +137,17 @@ def test_max_tokens_beyond_the_context_gets_vllms_400_and_absent_means_to_its_en
                                       f"requested {max_len + 4} tokens (4 in the messages, {max_len} in the completion)")
     assert complete(mixed, prompt=[1, 2, 3, 4], max_tokens=max_len - 4).status_code == 200
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**12}
-    r = httpx.post(f"{mixed.url}/v1/chat/completions", json=chat, timeout=30)
+    r = http_client.post(f"{mixed.url}/v1/chat/completions", json=chat, timeout=30)
     assert r.status_code == 400, r.text
 
 
 def test_malformed_json_and_missing_fields(mixed):
-    r = httpx.post(f"{mixed.url}/v1/completions", content=b"{not json", timeout=10,
+    r = http_client.post(f"{mixed.url}/v1/completions", content=b"{not json", timeout=10,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(f"{mixed.url}/v1/completions", json={"model": MODEL}, timeout=10)
+    r = http_client.post(f"{mixed.url}/v1/completions", json={"model": MODEL}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    r = httpx.post(f"{mixed.url}/v1/warm", json={"prompt": [1, 2], "backend": "tpu"}, timeout=10)
+    r = http_client.post(f"{mixed.url}/v1/warm", json={"prompt": [1, 2], "backend": "tpu"}, timeout=10)
     assert r.status_code == 400 and "unknown backend" in r.json()["error"]["message"]
 
 
@@ -207,7 +208,7 @@ def test_client_disconnect_returns_blocks_to_the_pool(mixed):
     before = wait_pools_full(mixed)
     body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{mixed.url}/v1/completions", json=body, timeout=60) as r:
+    with http_client.stream("POST", f"{mixed.url}/v1/completions", json=body, timeout=60) as r:
         name = r.headers["x-mvllm-backend"]
         lines = r.iter_lines()
         for _ in range(6):
@@ -234,16 +235,16 @@ def test_static_policies_place_requests(tmp_path, policy, expect_cpu):
 
 def test_backend_death_and_sigterm_leave_the_rest_serving_and_no_orphans(tmp_path):
     server = start(tmp_path, "--policy", "gpu-only")
-    pids = {b["name"]: b["pid"] for b in httpx.get(f"{server.url}/v1/backends").json()}
+    pids = {b["name"]: b["pid"] for b in http_client.get(f"{server.url}/v1/backends").json()}
     try:
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        with http_client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
             os.kill(pids["gpu"], signal.SIGKILL)
             rest = "\n".join(lines)
         assert '"error"' in rest and "[DONE]" in rest
-        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert http_client.get(f"{server.url}/health").status_code == 503
         r = complete(server)
         assert r.status_code == 200 and r.json()["backend"] == "cpu"
         server.proc.send_signal(signal.SIGTERM)
@@ -377,7 +378,7 @@ def test_tokens_go_straight_to_the_socket_only_under_the_server_that_was_checked
 def load_gauges(url: str) -> dict[str, tuple[float, float]]:
     """Each backend's (running, waiting) from /metrics (what experiments/serve_pace.py's mean_load averages)."""
     out: dict[str, list[float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    for line in http_client.get(f"{url}/metrics", timeout=10).text.splitlines():
         for i, key in enumerate(("running", "waiting")):
             if line.startswith(f"mvllm_num_requests_{key}{{"):
                 name = line.split('backend="')[1].split('"')[0]
@@ -397,7 +398,7 @@ def test_load_gauges_are_the_schedulers_counts(mixed):
     while any(t.is_alive() for t, _, _ in streams):
         before = load_gauges(mixed.url)
         live = {b["name"]: (float(b["running"]), float(b["waiting"]))
-                for b in httpx.get(f"{mixed.url}/v1/backends", timeout=10).json()}
+                for b in http_client.get(f"{mixed.url}/v1/backends", timeout=10).json()}
         if load_gauges(mixed.url) == before and any(r for r, _ in before.values()):
             equal += 1
             same += live == before

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
+from conftest import http_client
 
 from mvllm.backends.spec import parse_backends
 from mvllm.bench import experiment as ex
@@ -48,7 +48,7 @@ def server(tmp_path_factory):
 
 
 def _cached(server, prompt) -> tuple[str, int]:
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+    r = http_client.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
                    timeout=60).json()
     return r["backend"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -57,24 +57,24 @@ def test_reset_prefix_cache_empties_every_backend(server):
     prompt = list(range(100, 148))
     _cached(server, prompt)
     assert _cached(server, prompt)[1] == 32  # 3 full blocks; the last token is always computed
-    r = httpx.post(f"{server.url}/reset_prefix_cache")
+    r = http_client.post(f"{server.url}/reset_prefix_cache")
     assert r.status_code == 200 and r.json()["reset"] == ["cpu", "gpu"]
     assert _cached(server, prompt)[1] == 0
 
 
 def test_policy_switch_and_unknown_policy(server):
     try:
-        r = httpx.post(f"{server.url}/v1/policy", json={"policy": "cpu-only"})
+        r = http_client.post(f"{server.url}/v1/policy", json={"policy": "cpu-only"})
         assert r.status_code == 200 and r.json() == {"policy": "cpu-only"}
         assert _cached(server, [5, 6, 7])[0] == "cpu"
         for bad in ({"policy": "fastest"}, {"policy": "mixed"}, {"policy": "split:-1"}, {},
                     {"policy": "gpu-only", "slo": "ttft:500"}, {"policy": "slo", "slo": "ttft:abc"},
                     {"policy": "slo", "slo": "ttft:0"}, {"policy": "slo"}):
-            r = httpx.post(f"{server.url}/v1/policy", json=bad)
+            r = http_client.post(f"{server.url}/v1/policy", json=bad)
             assert r.status_code == 400 and r.json()["error"]["message"], bad
         assert _cached(server, [5, 6, 7])[0] == "cpu"  # a refused switch changes nothing
     finally:
-        httpx.post(f"{server.url}/v1/policy", json={"policy": "gpu-only"})
+        http_client.post(f"{server.url}/v1/policy", json={"policy": "gpu-only"})
 
 
 def test_shared_bench_reuses_one_server_per_setting_and_slices_its_routing_log(tmp_path):

@@ -9,8 +9,7 @@ import signal
 import subprocess
 import threading
 
-import httpx
-from conftest import wait_for
+from conftest import http_client, wait_for
 
 from mvllm.bench.process import ServerProcess
 
@@ -46,7 +45,7 @@ def _state(pid: int) -> str:
 def stream(url: str, max_tokens: int, out: list, started: threading.Event, model: str = MODEL) -> None:
     body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    with http_client.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out.append(line[6:])
@@ -65,7 +64,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         assert started.wait(60)
         server.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)  # SIGTERM was handled
-        late = httpx.post(f"{server.url}/v1/completions", timeout=10,
+        late = http_client.post(f"{server.url}/v1/completions", timeout=10,
                           json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
         reader.join(30)

@@ -182,7 +182,7 @@ class Servers:
     def _reset(self, policy: str, slo: dict | None = None) -> None:
         choice = {"policy": policy, **({"slo": slo_text(slo)} if slo else {})}
         for path, body in (("/reset_prefix_cache", None), ("/v1/policy", choice)):
-            r = httpx.post(self.server.url + path, json=body, timeout=120.0)
+            r = self.server.http.post(self.server.url + path, json=body, timeout=120.0)
             if r.status_code != 200:
                 raise ServerError(f"POST {path} failed: HTTP {r.status_code}: {r.text[:300]}")
 
