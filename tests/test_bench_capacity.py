@@ -119,6 +119,12 @@ def test_no_load_meeting_the_slo_names_the_lowest(tmp_path):
     assert data["url"].startswith("http://127.0.0.1:") and data["policies"][0]["points"][0]["share"] < 0.99
 
 
+def default_sigint() -> None:
+    """A terminal's Ctrl-C: SIGINT at its default in the child (a shell's background job, as a CI runner may
+    start the suite, has it ignored, and an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.serial  # Ctrl-C must land mid-search: a second busy test process lets the search end first
 def test_ctrl_c_keeps_the_points_measured(tmp_path):
     """Ctrl-C mid-search (each point of 6 requests at 1-2/s lasts seconds, so the signal lands inside the search)."""
@@ -127,7 +133,7 @@ def test_ctrl_c_keeps_the_points_measured(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "mvllm.cli", "bench", str(_exp(tmp_path, STUB)), "--url",
                                  stub.url, "--out", str(tmp_path / "out"), "--slo", "ttft:10000", "--loads", "1:2",
                                  "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=default_sigint)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
             if path.is_file() and '"load"' in path.read_text():

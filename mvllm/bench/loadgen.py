@@ -39,8 +39,8 @@ def auto_workers() -> int:
 def run_loop(coro):
     """asyncio.run on uvloop where it is installed (its transports cost less a read). Ctrl-C ends it with
     KeyboardInterrupt, also where the coroutine went on: asyncio's runner makes the signal a cancellation of the
-    main task, which a wait that finished at that moment returns through (Python 3.11's wait_for), and then the
-    interrupt was lost."""
+    main task, and one that returns through it (a wait that catches CancelledError; Python 3.11's wait_for where
+    its wait finished at that moment) would lose the interrupt."""
 
     async def main():
         result = await coro
@@ -49,11 +49,16 @@ def run_loop(coro):
             raise asyncio.CancelledError
         return result
 
+    top = main()
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main())
-    return uvloop.run(main())
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(top)
+        return uvloop.run(top)
+    finally:  # where Ctrl-C came before they ran: closed, not reported as never awaited when collected
+        top.close()
+        coro.close()
 
 
 def deal(requests: list[Request], workers: int) -> list[list[Request]]:
