@@ -8,9 +8,10 @@ import json
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
+
+from mvllm.bench.process import local_client
 
 # Without a CUDA GPU, Triton's kernels run under its interpreter (where Triton is installed: the test extra
 # installs it on x86-64 Linux), before any of them is defined: their tests run on the CPU instead of skipping.
@@ -21,10 +22,8 @@ if not torch.cuda.is_available():
 # thread made SmolLM2 steps ~10x slower.
 torch.set_num_threads(1)
 
-# The tests' HTTP calls to the servers they start: httpx.get and friends build a client, and its TLS context
-# (~45 ms of CPU), at every call, and a wait that polls every 20 ms then took a core. A fresh connection per
-# request still, as those calls make.
-http_client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+# The tests' HTTP calls to the servers they start (httpx.get's own client per call made a 20 ms poll take a core)
+http_client = local_client()
 
 VOCAB = 256
 EOS = VOCAB - 1

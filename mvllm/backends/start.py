@@ -1,8 +1,9 @@
 """How a backend's worker process starts, and the short-lived process that checks a backend list.
 
 On Linux a fork server that has imported torch once (nothing in it touches a device: CUDA is initialized in the
-worker, after the fork): each worker is a fork of it, without a torch import of its own (results/server-start). Elsewhere a fresh interpreter (spawn): macOS's frameworks are not safe to fork. A process that needs no
-torch (a null backend's worker) is spawned: a fork of the fork server would map torch. MVLLM_START picks either.
+worker, after the fork): each worker is a fork of it, without a torch import of its own (results/server-start).
+Elsewhere a fresh interpreter (spawn): macOS's frameworks are not safe to fork. A process that needs no torch (a
+null backend's worker) is spawned: a fork of the fork server would map torch. MVLLM_START picks either.
 A forked worker writes to the fork server's stdout and stderr: those of the process that first started one (for
 `mvllm serve`, its own at start).
 """

@@ -25,6 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_client() -> httpx.Client:
+    """A client for repeated calls to a local server. httpx.get builds a client, and its TLS context (~45 ms of
+    CPU), at every call: a poll of /health four times a second took a fifth of a core. A fresh connection each
+    call still, as httpx.get makes."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -47,10 +54,9 @@ class ServerProcess:
 
     @property
     def http(self) -> httpx.Client:
-        """One client for the calls to this server (httpx.get builds one, and its TLS context, ~45 ms of CPU,
-        at every call: polling /health four times a second took a fifth of a core); a fresh connection each."""
+        """The client for the calls to this server (local_client)."""
         if self._http is None:
-            self._http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+            self._http = local_client()
         return self._http
 
     @property

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """On the CPU, also where the model is built on the meta device (there torch's ops run Python reference
-    kernels, whose first call imports torch._dynamo: ~2 s of CPU)."""
+    kernels, whose first call imports torch._dynamo: results/server-start)."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     s = cfg.rope_scaling
@@ -145,7 +145,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         # its weight given, not drawn: the model is built on the meta device and its weights loaded after, and
-        # nn.Embedding's normal_ on meta runs a Python reference kernel that imports torch._dynamo (~2 s of CPU)
+        # nn.Embedding's normal_ on meta runs a Python reference kernel that imports torch._dynamo (results/server-start)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))

@@ -188,8 +188,8 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -
 
 def _allocate(model: Decoder) -> None:
     """Each parameter on the meta device replaced by an uninitialized float32 one on the CPU. (Module.to_empty
-    does this through empty_like of a meta tensor: a Python reference kernel that imports sympy and torch.fx,
-    ~1 s of CPU in every worker.)"""
+    does this through empty_like of a meta tensor: a Python reference kernel that imports sympy and torch.fx
+    in every worker: results/server-start.)"""
     import torch
 
     for module in model.modules():
