@@ -34,6 +34,8 @@
 #                                    # profiled kernel by kernel) and with --per-token (every row per token), then
 #                                    # probes/prefill_floor.py (cold prompts of 2,048, 10,000 and 20,000 tokens
 #                                    # against their GEMMs + SDPA floor); JSON into RUNS
+#   bash experiments/h200.sh tiles   # the tiled kernel's launch settings swept (probes/tiled_sweep.py), then
+#                                    # probes/prefill_floor.py with the default setting and with the sweep's best
 # Every stage but p, t and kernel first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/probes/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
@@ -67,7 +69,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != kernel && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != kernel && $stage != tiles && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -81,6 +83,11 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
        run 80 mixed-step-per-token python3 experiments/probes/gpu_mixed_step.py --repeats 2 --per-token \
            --out "$runs/gpu-mixed-step-per-token.json"
        run 100 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json" ;;
+    tiles) export MVLLM_CACHE=${MVLLM_CACHE:-/tmp/mvcache}  # the tiled kernel's launch swept, then the floor
+       run 280 tiled-sweep python3 experiments/probes/tiled_sweep.py --budget-s 180 --out "$runs/tiled-sweep.json"
+       run 150 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json"
+       run 150 prefill-floor-swept python3 experiments/probes/prefill_floor.py --repeats 3 \
+           --tiled "$runs/tiled-sweep.json" --out "$runs/prefill-floor-swept.json" ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;

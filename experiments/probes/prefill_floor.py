@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--max-step-tokens", type=int, help="the engine's step budget (default: the engine's own)")
     ap.add_argument("--per-token", action="store_true", help="every row through the per-token attention kernel")
+    ap.add_argument("--tiled", help="the tiled kernel's launch setting, as JSON or a tiled_sweep.py output (its best)")
     a = ap.parse_args()
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
@@ -162,9 +163,17 @@ def main() -> None:
 
     if a.per_token:
         triton_attention.TILED_MIN = 10 ** 9
+    tiled = None
+    if a.tiled:
+        tiled = json.loads(open(a.tiled).read() if os.path.isfile(a.tiled) else a.tiled)
+        tiled = {k: v for k, v in (tiled["best"][0] if "best" in tiled else tiled).items() if k != "ms"}
     kw = dict(max_active=16, kv_cache_gb=8.0, overlap=False, max_model_len=max(lengths) + 16)
     if a.max_step_tokens is not None:
         kw["max_step_tokens"] = a.max_step_tokens
+    if tiled:  # before the engine is built: its CUDA graphs capture the launch
+        from mvllm.model.loader import resolve
+        source = resolve(a.model).config
+        triton_attention.set_tiled(tiled, source.num_heads // source.num_kv_heads)
     t0 = time.perf_counter()
     llm = LLM(a.model, device="cuda", dtype="bfloat16", **kw)
     eng = llm.engine
@@ -176,7 +185,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     out = {"model": a.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "git_commit": git_commit(),
-           "max_step_tokens": budget, "per_token": a.per_token, "dtype": str(dtype).removeprefix("torch."),
+           "max_step_tokens": budget, "per_token": a.per_token, "tiled": dict(triton_attention.TILED,
+                                                                                tile=triton_attention.TILE), "dtype": str(dtype).removeprefix("torch."),
            "lengths": []}
     for n in lengths:
         row = {"tokens": n, **floor(cfg, n, dtype, layers, a.repeats)}

@@ -36,6 +36,9 @@ from mvllm.kernels import cpu_fused
 
 TILE = 16  # tokens a program of the tiled kernel takes
 TILED_MIN = 2  # a sequence with this many new tokens in a step or more runs through the tiled kernel
+# the tiled kernel's launch: keys a loop step (block_n), warps and pipeline stages (None: Triton's default), and
+# whether a tile's rows pack the query heads of its KV head's group unpadded (TILE must then be ROWS // group)
+TILED = {"block_n": 64, "num_warps": None, "num_stages": None, "packed": False}
 LOG2E = 1.4426950408889634
 
 try:
@@ -43,6 +46,15 @@ try:
     import triton.language as tl
 except ImportError:  # CPU builds of torch ship without Triton
     triton = None
+
+
+def set_tiled(setting: dict, group: int) -> None:
+    """Launch the tiled kernel with `setting` (rows a tile holds, packed, block_n, num_warps, num_stages) for a
+    model whose KV heads each serve `group` query heads: TILE becomes the tokens that many rows hold."""
+    per_token = group if setting["packed"] else 1 << (group - 1).bit_length()
+    global TILE
+    TILE = setting["rows"] // per_token
+    TILED.update({k: setting[k] for k in ("packed", "block_n", "num_warps", "num_stages")})
 
 
 def available(device: torch.device) -> bool:
@@ -169,12 +181,14 @@ def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int
     ieee = q.dtype == torch.float32
     rows = t  # rows the per-token kernel takes: every row, or (after the tiled kernel) what is left of them
     if tiled:
-        group_pad = triton.next_power_of_2(group)
+        gdiv = group if TILED["packed"] else triton.next_power_of_2(group)
+        block_rows = triton.next_power_of_2(TILE * gdiv)
         programs = min(t, t // TILE + sequences + 1)  # at least as many as the tiles
+        launch = {k: TILED[k] for k in ("num_warps", "num_stages") if TILED[k]}
+        launch.setdefault("num_warps", 8 if block_rows >= 128 else 4)
         _tiles_kernel[(programs, hkv)](
-            q, cache, out, packed, tables, scale * LOG2E, programs, *strides, GROUP=group, GROUP_PAD=group_pad,
-            TILE=TILE, D=d, BLOCK=block_size, BLOCK_N=max(64, block_size), IEEE=ieee,
-            num_warps=8 if TILE * group_pad >= 128 else 4)
+            q, cache, out, packed, tables, scale * LOG2E, programs, *strides, GROUP=group, GDIV=gdiv, ROWS=block_rows,
+            TILE=TILE, D=d, BLOCK=block_size, BLOCK_N=max(TILED["block_n"], block_size), IEEE=ieee, **launch)
         rows = min(t, sequences * (TILED_MIN - 1))
         if rows == 0:
             return out.view(t, h * d)
@@ -383,21 +397,23 @@ if triton is not None:
     @triton.jit
     def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, qk_scale, PROGRAMS,
                       sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      GROUP: tl.constexpr, GDIV: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+                      D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         """Program (p, KV head): a tile of column 5 (read from the PROGRAMS-th entry down, so the later tiles of
         a sequence, with more keys, start first): up to TILE consecutive rows of one sequence times the KV
         head's group of query heads, as one block of queries over the sequence's keys up to the tile's longest
         key length. Blocks every row sees run unmasked; in the rest each row is masked past its own key length
-        (causal within the chunk, after whatever context is cached). Entries that are not tiles do nothing."""
+        (causal within the chunk, after whatever context is cached). Entries that are not tiles do nothing.
+        The block's ROWS query rows are row i = (token i // GDIV, head i % GDIV): GDIV is the group padded to a
+        power of two, or the group itself (rows packed, TILE = ROWS // GROUP tokens)."""
         e = tl.load(packed_ptr + (PROGRAMS - 1 - tl.program_id(0)) * s_row + 5 * s_col)
         kvh = tl.program_id(1)
         if e >= 0:
             r0 = e // TILE
             n = e % TILE + 1
-            i = tl.arange(0, TILE * GROUP_PAD)
-            m = i // GROUP_PAD
-            g = i % GROUP_PAD
+            i = tl.arange(0, ROWS)
+            m = i // GDIV
+            g = i % GDIV
             inside = m < n
             valid = inside & (g < GROUP)
             rows = r0 + m
@@ -409,9 +425,9 @@ if triton is not None:
             hi = tl.max(key_len, 0)
             unmasked = tl.min(tl.where(inside, key_len, hi), 0) // BLOCK_N * BLOCK_N  # keys every row sees
             table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
-            mx = tl.full([TILE * GROUP_PAD], float("-inf"), tl.float32)
-            total = tl.zeros([TILE * GROUP_PAD], tl.float32)
-            acc = tl.zeros([TILE * GROUP_PAD, D], tl.float32)
+            mx = tl.full([ROWS], float("-inf"), tl.float32)
+            total = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, D], tl.float32)
             for start in range(0, unmasked, BLOCK_N):
                 acc, mx, total = attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scale,
                                         sc_kv, sc_slot, sc_h, st_col, D, BLOCK, BLOCK_N, False, IEEE)
