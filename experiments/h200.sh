@@ -35,7 +35,8 @@
 #                                    # probes/prefill_floor.py (cold prompts of 2,048, 10,000 and 20,000 tokens
 #                                    # against their GEMMs + SDPA floor); JSON into RUNS
 #   bash experiments/h200.sh tiles   # the tiled kernel's launch settings swept (probes/tiled_sweep.py), then
-#                                    # probes/prefill_floor.py with the default setting and with the sweep's best
+#                                    # probes/prefill_floor.py and gpu_mixed_step.py (kernel by kernel), then the
+#                                    # GPU tests (their names as they pass: a cut run still says which did)
 # Every stage but p, t and kernel first profiles the session's backends once (with --serving), into RUNS.
 # Before running a new GPU or CPU path, commit the simulator's prediction (experiments/probes/predict_compiled_gpu.py).
 # Keep MVLLM_CACHE on a path that survives between calls of one session (e.g. /tmp/mvcache): the compiled GPU
@@ -84,10 +85,11 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
            --out "$runs/gpu-mixed-step-per-token.json"
        run 100 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json" ;;
     tiles) export MVLLM_CACHE=${MVLLM_CACHE:-/tmp/mvcache}  # the tiled kernel's launch swept, then the floor
-       run 280 tiled-sweep python3 experiments/probes/tiled_sweep.py --budget-s 180 --out "$runs/tiled-sweep.json"
-       run 150 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json"
-       run 150 prefill-floor-swept python3 experiments/probes/prefill_floor.py --repeats 3 \
-           --tiled "$runs/tiled-sweep.json" --out "$runs/prefill-floor-swept.json" ;;
+       run 150 tiled-sweep python3 experiments/probes/tiled_sweep.py --budget-s 75 --out "$runs/tiled-sweep.json"
+       run 110 prefill-floor python3 experiments/probes/prefill_floor.py --repeats 3 --out "$runs/prefill-floor.json"
+       run 80 mixed-step python3 experiments/probes/gpu_mixed_step.py --repeats 2 --profile \
+           --out "$runs/gpu-mixed-step.json"
+       run 330 gpu-tests python3 -m pytest -v -p no:logging -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ops.py ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;

@@ -38,7 +38,8 @@ TILE = 16  # tokens a program of the tiled kernel takes
 TILED_MIN = 2  # a sequence with this many new tokens in a step or more runs through the tiled kernel
 # the tiled kernel's launch: keys a loop step (block_n), warps and pipeline stages (None: Triton's default), and
 # whether a tile's rows pack the query heads of its KV head's group unpadded (TILE must then be ROWS // group)
-TILED = {"block_n": 64, "num_warps": None, "num_stages": None, "packed": False}
+# (experiments/probes/tiled_sweep.py on an H100: results/serving-engine)
+TILED = {"block_n": 128, "num_warps": 4, "num_stages": 2, "packed": False}
 LOG2E = 1.4426950408889634
 
 try:
@@ -214,12 +215,12 @@ def _triton_rope_store(qkv, cos, sin, cache, packed, heads: int, kv_heads: int, 
     t, d = qkv.shape[0], cache.shape[-1]
     q = qkv.new_empty(t, heads, d)
     hidden = 1 if x is None else x.shape[1]
-    _rope_store_kernel[(t, heads + kv_heads)](
+    _rope_store_kernel[(t,)](
         qkv, cos, sin, cache, packed, q, qkv if bias is None else bias, qkv if x is None else x, eps, hidden,
         qkv.stride(0), cos.stride(0), sin.stride(0), packed.stride(0), packed.stride(1), cache.stride(0),
         cache.stride(1), cache.stride(2), q.stride(0), q.stride(1), 0 if x is None else x.stride(0), HEADS=heads,
         KV_HEADS=kv_heads, HALF=d // 2, BIAS=bias is not None, NORM=x is not None,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)))
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)), ALL_HEADS=triton.next_power_of_2(heads + kv_heads))
     return q
 
 
@@ -249,24 +250,26 @@ if triton is not None:
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, b_ptr, x_ptr, eps, HIDDEN,
                            s_qkv, s_cos, s_sin, s_row, s_col, sc_kv, sc_slot, sc_h, sq_t, sq_h, s_x,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BIAS: tl.constexpr,
-                           NORM: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Program (token, head): a query head rotated into q, or a KV head's key rotated and its value copied
-        into the token's cache slot. Rotation in float32, rounded once. NORM: the row is first scaled by
-        rstd(x), summed here from the row of x; BIAS: the bias is added after."""
+                           NORM: tl.constexpr, BLOCK_H: tl.constexpr, ALL_HEADS: tl.constexpr):
+        """Program per token: its query heads rotated into q, its KV heads' keys rotated and their values copied
+        into the token's cache slot, all heads as one [ALL_HEADS, HALF] block (a program per head and token
+        left most of a launch's work to scheduling tiny programs). Rotation in float32, rounded once. NORM: the
+        row is first scaled by rstd(x), summed once here from the row of x; BIAS: the bias is added after."""
         row = tl.program_id(0)
-        head = tl.program_id(1)
-        i = tl.arange(0, HALF)
+        h = tl.arange(0, ALL_HEADS)[:, None]
+        i = tl.arange(0, HALF)[None, :]
         dtype = q_ptr.dtype.element_ty  # cos and sin rounded to the model's dtype first, as the eager rotary does
         # every load first (the norm's sum waits on a barrier, and loads are not moved above one)
-        kvh = tl.maximum(head - HEADS, 0)
-        kv_only = i < (head >= HEADS).to(tl.int32) * HALF  # loads of the value: for a KV head's program only
-        at = head * 2 * HALF + i
+        real = h < HEADS + KV_HEADS
+        kv = (h >= HEADS) & real
+        kvh = tl.maximum(h - HEADS, 0)
+        at = h * 2 * HALF + i
         v_at = (HEADS + KV_HEADS + kvh) * 2 * HALF + i
         y = qkv_ptr + row * s_qkv
-        x1 = tl.load(y + at).to(tl.float32)
-        x2 = tl.load(y + HALF + at).to(tl.float32)
-        v1 = tl.load(y + v_at, mask=kv_only, other=0.0).to(tl.float32)
-        v2 = tl.load(y + HALF + v_at, mask=kv_only, other=0.0).to(tl.float32)
+        x1 = tl.load(y + at, mask=real, other=0.0).to(tl.float32)
+        x2 = tl.load(y + HALF + at, mask=real, other=0.0).to(tl.float32)
+        v1 = tl.load(y + v_at, mask=kv, other=0.0).to(tl.float32)
+        v2 = tl.load(y + HALF + v_at, mask=kv, other=0.0).to(tl.float32)
         pos = tl.load(packed_ptr + row * s_row + s_col)
         slot = tl.load(packed_ptr + row * s_row + 2 * s_col)
         c = tl.load(cos_ptr + pos * s_cos + i).to(dtype).to(tl.float32)  # the table repeats its first half
@@ -275,20 +278,20 @@ if triton is not None:
             scale = rstd_row(x_ptr + row * s_x, HIDDEN, eps, BLOCK_H)
             x1, x2, v1, v2 = x1 * scale, x2 * scale, v1 * scale, v2 * scale
         if BIAS:
-            x1 += tl.load(b_ptr + at).to(tl.float32)
-            x2 += tl.load(b_ptr + HALF + at).to(tl.float32)
-            v1 += tl.load(b_ptr + v_at, mask=kv_only, other=0.0).to(tl.float32)
-            v2 += tl.load(b_ptr + HALF + v_at, mask=kv_only, other=0.0).to(tl.float32)
+            x1 += tl.load(b_ptr + at, mask=real, other=0.0).to(tl.float32)
+            x2 += tl.load(b_ptr + HALF + at, mask=real, other=0.0).to(tl.float32)
+            v1 += tl.load(b_ptr + v_at, mask=kv, other=0.0).to(tl.float32)
+            v2 += tl.load(b_ptr + HALF + v_at, mask=kv, other=0.0).to(tl.float32)
         r1 = (x1 * c - x2 * s).to(dtype)
         r2 = (x2 * c + x1 * s).to(dtype)
-        if head < HEADS:
-            out = q_ptr + row * sq_t + head * sq_h
-        else:
-            out = cache_ptr + slot * sc_slot + kvh * sc_h
-            tl.store(out + sc_kv + i, v1.to(dtype))
-            tl.store(out + sc_kv + HALF + i, v2.to(dtype))
-        tl.store(out + i, r1)
-        tl.store(out + HALF + i, r2)
+        query = q_ptr + row * sq_t + h * sq_h + i
+        tl.store(query, r1, mask=h < HEADS)
+        tl.store(query + HALF, r2, mask=h < HEADS)
+        key = cache_ptr + slot * sc_slot + kvh * sc_h + i
+        tl.store(key, r1, mask=kv)
+        tl.store(key + HALF, r2, mask=kv)
+        tl.store(key + sc_kv, v1.to(dtype), mask=kv)
+        tl.store(key + sc_kv + HALF, v2.to(dtype), mask=kv)
 
     @triton.jit
     def listed_row(packed_ptr, p, T, s_row, s_col, LISTED: tl.constexpr):
