@@ -5,12 +5,12 @@
 
 One layer of Qwen2.5-0.5B's attention (14 query heads over 2 KV heads, head dim 64, bf16) for a cold prompt of
 each length, cut into chunks of the step budget (--chunk, 8,192) as the engine runs it: each chunk's rows attend
-through the paged cache (blocks of 16, shuffled) to every key before them, its input packed before the timing. For each setting (rows a tile holds,
-whether the group's 7 heads are padded to 8, keys a loop step, warps, pipeline stages) the kernel's time summed
-over the chunks (median of --repeats, CUDA events), checked against the default setting's output. Beside it, in the
-same run, SDPA on the whole prompt (causal, GQA; cuDNN and flash, the faster): the floor the engine is measured
-against (experiments/probes/prefill_floor.py). The sweep times the longest length first, stops at --budget-s, then
-times the best few settings at every length.
+through the paged cache (blocks of 16, shuffled) to every key before them, its input packed before the timing.
+For each setting (rows a tile holds, 8 a token: the group's 7 heads padded; keys a loop step; warps; pipeline
+stages) the kernel's time summed over the chunks (median of --repeats, CUDA events), checked against the default
+setting's output. Beside it, in the same run, SDPA on the whole prompt (causal, GQA; cuDNN and flash, the
+faster): the floor the engine is measured against (experiments/probes/prefill_floor.py). The sweep times the
+longest length first, stops at --budget-s, then times the best few settings at every length.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ HEADS, KV_HEADS, D, BLOCK = 14, 2, 64, 16
 
 def settings() -> list[dict]:
     """The default first, then the grid."""
-    base = {"rows": 128, "packed": False, **{k: ta.TILED[k] for k in ("block_n", "num_warps", "num_stages")}}
-    grid = [{"rows": r, "packed": p, "block_n": n, "num_warps": w, "num_stages": s}
-            for r, p, n, (w, s) in itertools.product((128, 64, 256), (False, True), (128, 64, 256),
-                                                     ((4, 2), (4, 3), (8, 2), (8, 3), (4, 4), (8, 1)))]
+    base = {"rows": 128, **{k: ta.TILED[k] for k in ("block_n", "num_warps", "num_stages")}}
+    grid = [{"rows": r, "block_n": n, "num_warps": w, "num_stages": s}
+            for r, n, (w, s) in itertools.product((128, 64, 256), (128, 64, 256),
+                                                  ((4, 2), (4, 3), (8, 2), (8, 3), (4, 4), (8, 1)))]
     return [base] + [g for g in grid if g != base]
 
 
@@ -154,7 +154,7 @@ def main() -> None:
         print(f"{i:3d} {s}: {ms:.3f} ms, max |diff| {err:.2e}", flush=True)
     fine = [r for r in out["sweep"] if "ms" in r and r["max_abs_diff"] < (3e-2 if DTYPE == torch.bfloat16 else 1e-4)]
     fine.sort(key=lambda r: r["ms"])
-    keys = ("rows", "packed", "block_n", "num_warps", "num_stages")
+    keys = ("rows", "block_n", "num_warps", "num_stages")
     picks = [{k: r[k] for k in keys} for r in fine[:a.best]]
     if all_settings[0] not in picks:
         picks.append(all_settings[0])

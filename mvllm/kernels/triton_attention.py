@@ -36,10 +36,9 @@ from mvllm.kernels import cpu_fused
 
 TILE = 16  # tokens a program of the tiled kernel takes
 TILED_MIN = 2  # a sequence with this many new tokens in a step or more runs through the tiled kernel
-# the tiled kernel's launch: keys a loop step (block_n), warps and pipeline stages (None: Triton's default), and
-# whether a tile's rows pack the query heads of its KV head's group unpadded (TILE must then be ROWS // group)
-# (experiments/probes/tiled_sweep.py on an H100: results/serving-engine)
-TILED = {"block_n": 128, "num_warps": 4, "num_stages": 2, "packed": False}
+# the tiled kernel's launch: keys a loop step (block_n), warps and pipeline stages (None: Triton's default), the
+# best of experiments/probes/tiled_sweep.py on an H100 within its noise (results/serving-engine)
+TILED = {"block_n": 128, "num_warps": 4, "num_stages": 2}
 LOG2E = 1.4426950408889634
 
 try:
@@ -50,12 +49,11 @@ except ImportError:  # CPU builds of torch ship without Triton
 
 
 def set_tiled(setting: dict, group: int) -> None:
-    """Launch the tiled kernel with `setting` (rows a tile holds, packed, block_n, num_warps, num_stages) for a
-    model whose KV heads each serve `group` query heads: TILE becomes the tokens that many rows hold."""
-    per_token = group if setting["packed"] else 1 << (group - 1).bit_length()
+    """Launch the tiled kernel with `setting` (rows a tile holds, block_n, num_warps, num_stages) for a model
+    whose KV heads each serve `group` query heads: TILE becomes the tokens that many rows hold."""
     global TILE
-    TILE = setting["rows"] // per_token
-    TILED.update({k: setting[k] for k in ("packed", "block_n", "num_warps", "num_stages")})
+    TILE = setting["rows"] // (1 << (group - 1).bit_length())
+    TILED.update({k: setting[k] for k in ("block_n", "num_warps", "num_stages")})
 
 
 def available(device: torch.device) -> bool:
@@ -182,8 +180,8 @@ def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int
     ieee = q.dtype == torch.float32
     rows = t  # rows the per-token kernel takes: every row, or (after the tiled kernel) what is left of them
     if tiled:
-        gdiv = group if TILED["packed"] else triton.next_power_of_2(group)
-        block_rows = triton.next_power_of_2(TILE * gdiv)
+        gdiv = triton.next_power_of_2(group)  # each token's rows: its KV head's query heads, padded
+        block_rows = TILE * gdiv
         programs = min(t, t // TILE + sequences + 1)  # at least as many as the tiles
         launch = {k: TILED[k] for k in ("num_warps", "num_stages") if TILED[k]}
         launch.setdefault("num_warps", 8 if block_rows >= 128 else 4)
@@ -407,8 +405,8 @@ if triton is not None:
         head's group of query heads, as one block of queries over the sequence's keys up to the tile's longest
         key length. Blocks every row sees run unmasked; in the rest each row is masked past its own key length
         (causal within the chunk, after whatever context is cached). Entries that are not tiles do nothing.
-        The block's ROWS query rows are row i = (token i // GDIV, head i % GDIV): GDIV is the group padded to a
-        power of two, or the group itself (rows packed, TILE = ROWS // GROUP tokens)."""
+        The block's ROWS query rows are row i = (token i // GDIV, head i % GDIV), GDIV the group padded to a
+        power of two."""
         e = tl.load(packed_ptr + (PROGRAMS - 1 - tl.program_id(0)) * s_row + 5 * s_col)
         kvh = tl.program_id(1)
         if e >= 0:
