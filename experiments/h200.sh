@@ -34,6 +34,8 @@
 #                                    # profiled kernel by kernel) and with --per-token (every row per token), then
 #                                    # probes/prefill_floor.py (cold prompts of 2,048, 10,000 and 20,000 tokens
 #                                    # against their GEMMs + SDPA floor); JSON into RUNS
+#   RUNS=results/serve-pace bash experiments/h200.sh share   # the GPU alone against GPU + CPU (eta) with the CPU
+#                                    # backend's default threads, served, beside the engine offline (serve_pace.py)
 #   bash experiments/h200.sh tiles   # the tiled kernel's launch settings swept (probes/tiled_sweep.py), then
 #                                    # probes/prefill_floor.py and gpu_mixed_step.py (kernel by kernel), then the
 #                                    # GPU tests (their names as they pass: a cut run still says which did)
@@ -70,7 +72,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != kernel && $stage != tiles && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != kernel && $stage != tiles && $stage != share && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -90,6 +92,8 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
        run 80 mixed-step python3 experiments/probes/gpu_mixed_step.py --repeats 2 --profile \
            --out "$runs/gpu-mixed-step.json"
        run 330 gpu-tests python3 -m pytest -v -p no:logging -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ops.py ;;
+    share) (lscpu; python3 -m mvllm.cli env --backends gpu=cuda,cpu=cpu) >"$logs/host.txt" 2>&1  # the host shared
+       run 480 serve-pace python3 experiments/serve_pace.py --stages offline,served,mixed --out "$runs/serve-pace.json" ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;
