@@ -125,7 +125,7 @@ def table_case(device: str, dtype: torch.dtype, block_size: int = 16):
     return q, cache, tables, token_seq, key_len, block_size, d ** -0.5
 
 
-@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="Triton is not installed (CPU builds of torch "
                     "ship without it); the kernel runs on the GPU machine's tests")
 def test_triton_table_kernel_matches_reference(monkeypatch):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -146,7 +146,7 @@ def test_triton_table_kernel_matches_reference(monkeypatch):
     assert (got - want).abs().max() < 0.02  # bf16 inputs, float32 sums
 
 
-@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="Triton is not installed (CPU builds of torch "
                     "ship without it); the kernel runs on the GPU machine's tests")
 def test_tiled_kernel_matches_reference_across_tiles():
     """A long prefill's kernel: 45 new tokens after 30 cached (three tiles, keys past one 64-key block), beside a
@@ -233,7 +233,7 @@ def step_case(steps, pad: int, hkv: int, group: int, d: int, dtype: torch.dtype,
     return q, cache, packed.to(dev), tables.to(dev), want.to(dev), d ** -0.5
 
 
-@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="Triton is not installed (CPU builds of torch "
                     "ship without it); the kernel runs on the GPU machine's tests")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", list(STEPS))
@@ -303,7 +303,7 @@ def test_rope_store_reference_is_the_eager_rotary():
         assert triton_attention.reference_rope_store(*args).equal(q) and args[3].equal(cache)
 
 
-@pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds of torch "
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="Triton is not installed (CPU builds of torch "
                     "ship without it); the kernel runs on the GPU machine's tests")
 def test_triton_rope_store_matches_reference():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

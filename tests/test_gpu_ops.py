@@ -14,7 +14,7 @@ from mvllm import LLM
 from mvllm.kernels import triton_attention, triton_ops
 from mvllm.profile.accuracy import logits
 
-needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed (CPU builds "
+needs_triton = pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="Triton is not installed (CPU builds "
                                   "of torch ship without it); the kernels run on the GPU machine's tests")
 
 

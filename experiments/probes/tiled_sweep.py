@@ -123,7 +123,7 @@ def main() -> None:
     cache = torch.randn(2, (-(-max(lengths) // BLOCK)) * BLOCK, KV_HEADS, D, generator=gen).to(DEVICE, DTYPE)
     cases = {n: chunks_of(n, a.chunk, DEVICE, gen) for n in lengths}
     out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
-           "torch": torch.__version__, "triton": getattr(ta.triton, "__version__", None), "chunk": a.chunk,
+           "torch": torch.__version__, "triton": ta.jit().triton.__version__ if ta.HAS_TRITON else None, "chunk": a.chunk,
            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
            "git_commit": os.environ.get("MVLLM_GIT_COMMIT"), "sdpa_ms": {}, "sweep": [], "best": []}
     if DEVICE == "cuda":
@@ -142,7 +142,7 @@ def main() -> None:
         try:
             packed = packed_chunks(cases[longest])
             got = run_chunks(packed, cache)
-            ms = timed(lambda: run_chunks(packed, cache), a.repeats)
+            ms = timed(lambda packed=packed: run_chunks(packed, cache), a.repeats)
         except Exception as e:  # a setting past the GPU's shared memory or registers
             out["sweep"].append({**s, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"})
             print(f"{s}: {out['sweep'][-1]['error']}", flush=True)
@@ -163,7 +163,7 @@ def main() -> None:
         row = {**s, "ms": {}}
         for n in lengths:
             packed = packed_chunks(cases[n])
-            row["ms"][n] = round(timed(lambda: run_chunks(packed, cache), a.repeats), 4)
+            row["ms"][n] = round(timed(lambda packed=packed: run_chunks(packed, cache), a.repeats), 4)
         out["best"].append(row)
         print(f"{s}: {row['ms']}", flush=True)
     if a.out:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mvllm import env as envinfo
 from mvllm.backends.spec import parse_backends
 from mvllm.bench.display import run_line
 from mvllm.bench.experiment import Experiment
 from mvllm.bench.loadgen import auto_workers
 from mvllm.bench.results import run_id, write_aggregate, write_json
-from mvllm.bench.runner import Servers, backend_text, one_run, prepare
+from mvllm.bench.runner import Servers, backend_text, describe, one_run, prepare
 from mvllm.bench.workload import build_all, vocab_of
 from mvllm.errors import MvllmError
 
@@ -69,7 +68,7 @@ class Live:
             raise MvllmError(f"{policy} at {load:.4g} {self.unit}: {lines[0]}{last}") from None
         specs = parse_backends(backend_text(point), point.max_active) if self.url is None else None
         s.update({"run_id": rid, "run": 1, "knob": self.knob, "value": value, "load": load,
-                  "environment": envinfo.describe(specs)})
+                  "environment": describe(specs)})
         write_json(out / "summary.json", s)
         write_aggregate(self.folder)
         if not self.quiet:

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from mvllm import env as envinfo
 from mvllm.backends.spec import default_backends, parse_backends, set_option, spec_budget, with_threads
 from mvllm.bench.client import check_reachable, served_model
 from mvllm.bench.display import RunDisplay, run_line, table
@@ -27,6 +26,14 @@ from mvllm.bench.workload import Built, build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
 from mvllm.routing.policies.registry import uses_slo
 from mvllm.tables import WIDTH
+
+
+def describe(specs) -> dict:
+    """The machine and versions a run records (mvllm.env imports torch: 2-3 s of CPU, which a command that stops
+    on bad input, or a bench that only drives servers, need not pay until its first run)."""
+    from mvllm import env
+
+    return env.describe(specs)
 
 EXTERNAL = "external"
 
@@ -318,7 +325,7 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
                     folder = out / rid
                     shutil.rmtree(folder, ignore_errors=True)
                     folder.mkdir(parents=True)
-                    env = envinfo.describe(specs)
+                    env = describe(specs)
                     label = f"[{done + 1}/{total}] {rid}"
                     s = one_run(point, policy, url, servers, folder, label, console, quiet, built[value])
                     s.update({"run_id": rid, "run": i, "knob": knob, "value": value, "environment": env})

@@ -19,17 +19,25 @@ the add done in float32 and rounded once. The PyTorch references run where Trito
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from mvllm.kernels.triton_attention import rstd, triton
+from mvllm.kernels.triton_attention import HAS_TRITON, next_pow2, rstd
 
-if triton is not None:
-    import triton.language as tl
 
-    from mvllm.kernels.triton_attention import rstd_row
+@functools.cache
+def jit():
+    """The kernels (mvllm/kernels/triton_ops_jit.py), imported at a GPU step's first launch."""
+    from mvllm.kernels import triton_ops_jit
+
+    return triton_ops_jit
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 SMALL_ROWS = 32  # linear: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
 
@@ -49,7 +57,7 @@ def fold_norms(model) -> None:
 @torch.library.custom_op("mvllm::silu_mul", mutates_args=())
 def silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up) -> SiLU(gate * r) * (up * r) [T, I], r = rstd(x) per row."""
-    if gate_up.is_cuda and triton is not None:
+    if gate_up.is_cuda and HAS_TRITON:
         return _triton_silu_mul(gate_up, x, eps)
     return reference_silu_mul(gate_up, x, eps)
 
@@ -68,7 +76,7 @@ def reference_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x W^T (+ bias) (+ residual), the product rounded to the dtype before the add as the eager layer does."""
-    if x.is_cuda and triton is not None and x.shape[0] <= SMALL_ROWS:
+    if x.is_cuda and HAS_TRITON and x.shape[0] <= SMALL_ROWS:
         return _triton_linear(x, weight, bias, residual)
     return reference_linear(x, weight, bias, residual)
 
@@ -87,9 +95,9 @@ def _triton_silu_mul(gate_up, x, eps: float) -> torch.Tensor:
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, inter)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+    jit()._silu_mul_kernel[(t, cdiv(inter, block))](
         gate_up, x, out, gate_up.stride(0), x.stride(0), out.stride(0), inter, x.shape[1], eps, BLOCK=block,
-        BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])))
+        BLOCK_H=min(1024, next_pow2(x.shape[1])))
     return out
 
 
@@ -113,7 +121,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
     few rows of a decode step: each row's vocabulary is read by many programs and the last to finish picks
     among their maxima, one kernel where torch's reduction gives each row one block (8.7-13.7 µs a step on the
     H200 for Qwen2.5's and SmolLM2's vocabularies)."""
-    if logits.is_cuda and triton is not None:
+    if logits.is_cuda and HAS_TRITON:
         _triton_argmax(logits, out)
     else:
         torch.argmax(logits, dim=-1, out=out)
@@ -121,11 +129,11 @@ def argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
 
 def _triton_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
     rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, ARGMAX_BLOCK)
+    chunks = cdiv(vocab, ARGMAX_BLOCK)
     best = logits.new_empty(rows * chunks, dtype=torch.float32)
     at = logits.new_empty(rows * chunks, dtype=torch.int32)
-    _argmax_kernel[(rows, chunks)](logits, out, best, at, counters(logits.device, rows), vocab, logits.stride(0),
-                                   CHUNKS=chunks, BLOCK=ARGMAX_BLOCK, BLOCK_C=triton.next_power_of_2(chunks))
+    jit()._argmax_kernel[(rows, chunks)](logits, out, best, at, counters(logits.device, rows), vocab, logits.stride(0),
+                                   CHUNKS=chunks, BLOCK=ARGMAX_BLOCK, BLOCK_C=next_pow2(chunks))
 
 
 def config(rows: int, n: int, k: int) -> dict:
@@ -133,7 +141,7 @@ def config(rows: int, n: int, k: int) -> dict:
     and K split in shares of at least 192 where it is over 1,024 (at most 8), so a large weight is streamed
     by a few hundred programs. Measured on the H200 at 4 rows (experiments/probes/small_linear_speed.py)."""
     split = 1 if k <= 1024 else min(8, 1 << ((k // 192).bit_length() - 1))
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
+    return dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=32, BLOCK_K=128, split=split)
 
 
 def _triton_linear(x, weight, bias=None, residual=None, **tune) -> torch.Tensor:
@@ -142,106 +150,16 @@ def _triton_linear(x, weight, bias=None, residual=None, **tune) -> torch.Tensor:
     out = x.new_empty(rows, n)
     cfg = config(rows, n, k) | tune
     split = cfg.pop("split")
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = triton.cdiv(k, k_split)
+    blocks = cdiv(n, cfg["BLOCK_N"])
+    k_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = cdiv(k, k_split)
     ws = counter = out  # unused without a split
     if split > 1:  # partial sums, added up by the last program of each column block to finish
         ws = x.new_empty(split * cfg["BLOCK_M"] * n, dtype=torch.float32)
         counter = counters(x.device, blocks)
-    _linear_kernel[(blocks, split)](
+    jit()._linear_kernel[(blocks, split)](
         x, weight, x if bias is None else bias, x if residual is None else residual, out, ws, counter, rows, n, k,
         k_split, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         BIAS=bias is not None, RES=residual is not None, SPLIT=split,
         IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4, **cfg)
     return out
-
-
-if triton is not None:
-    @triton.jit
-    def _silu_mul_kernel(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, INTER, HIDDEN, eps, BLOCK: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
-        """Program (row, column block): the row's rstd from x, then SiLU(gate) * up in float32."""
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < INTER
-        gate = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32)
-        scale = rstd_row(x_ptr + row * s_x, HIDDEN, eps, BLOCK_H)
-        gate = gate * scale
-        up = up * scale
-        y = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_SPLIT, s_x, s_w, s_r,
-                       s_out, BIAS: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (column block, split): BLOCK_N output columns of every row over the split's share of K.
-        Rows are padded to BLOCK_M (at least 16) for the tensor cores."""
-        block = tl.program_id(0)
-        split = tl.program_id(1)
-        rows = tl.arange(0, BLOCK_M)
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < M
-        col_ok = cols < N
-        lo = split * K_SPLIT
-        hi = tl.minimum(lo + K_SPLIT, K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for start in range(lo, hi, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            k_ok = k < hi
-            a = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w))
-        if SPLIT > 1:  # partial sums out; the last program of this column block to finish adds them up
-            part = (split * BLOCK_M + rows)[:, None] * N + cols[None, :]
-            tl.store(ws_ptr + part, acc, mask=col_ok[None, :])
-            if tl.atomic_add(count_ptr + block, 1) == SPLIT - 1:  # acq_rel: the other splits' stores are seen
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s in range(0, SPLIT):
-                    part = (s * BLOCK_M + rows)[:, None] * N + cols[None, :]
-                    acc += tl.load(ws_ptr + part, mask=col_ok[None, :], other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(count_ptr + block, 0)  # ready for the next call (and the next graph replay)
-                _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
-        else:
-            _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
-
-    @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, best_ptr, at_ptr, count_ptr, N, s_x, CHUNKS: tl.constexpr,
-                       BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Program (row, chunk): the chunk's largest logit and its first index; the row's last program to finish
-        picks the first chunk holding the row's largest (chunks are in index order) and writes its index."""
-        row = tl.program_id(0)
-        chunk = tl.program_id(1)
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * s_x + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-        v = tl.where(v != v, float("inf"), v)  # NaN: the largest, as torch.argmax has it
-        top = tl.max(v, 0)
-        tl.store(best_ptr + row * CHUNKS + chunk, top)
-        tl.store(at_ptr + row * CHUNKS + chunk, tl.min(tl.where(v == top, cols, N), 0))
-        if tl.atomic_add(count_ptr + row, 1) == CHUNKS - 1:  # acq_rel: the other chunks' stores are seen
-            c = tl.arange(0, BLOCK_C)
-            ok = c < CHUNKS
-            tops = tl.load(best_ptr + row * CHUNKS + c, mask=ok, other=-float("inf"), cache_modifier=".cg")
-            ats = tl.load(at_ptr + row * CHUNKS + c, mask=ok, other=N, cache_modifier=".cg")
-            first = tl.min(tl.where(tops == tl.max(tops, 0), ats, N), 0)
-            tl.store(out_ptr + row, first.to(tl.int64))
-            tl.atomic_xchg(count_ptr + row, 0)
-
-    @triton.jit
-    def _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr,
-             RES: tl.constexpr):
-        """The bias, the product rounded to the output's dtype, then the residual added and rounded once."""
-        dtype = out_ptr.dtype.element_ty
-        if BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        y = acc.to(dtype)
-        if RES:
-            y = (y.to(tl.float32) + tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=ok,
-                                            other=0.0).to(tl.float32)).to(dtype)
-        tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], y, mask=ok)
