@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 
 import typer
@@ -155,6 +156,9 @@ def serve(
                                               "ms): with --profile the default policy is then slo."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
+    # Ctrl-C (SIGINT) stops a server still starting as it drains a running one, even where it was started with
+    # SIGINT ignored (a shell's background job, as a CI runner may start a harness that starts servers)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from mvllm.server.serve import serve as run
 
     if shutdown_timeout < 0:

@@ -110,3 +110,21 @@ def test_workers_do_not_outlive_a_killed_server(tmp_path):
         wait_for(lambda: gone(workers), 60, 0.05, lambda: f"workers {workers} still running")
     finally:
         server.stop()
+
+
+def test_ctrl_c_stops_a_server_still_starting_even_with_sigint_ignored(tmp_path):
+    """A server started with SIGINT ignored (a shell's background job, as a CI runner may start a harness) still
+    stops on Ctrl-C while its backends start: it does not come up and keep serving."""
+    server = ServerProcess(["--model", TINY, "--backends", BACKENDS, "--policy", "round-robin"], tmp_path / "server.log")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the server, as from a background job
+    try:
+        server.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        wait_for(lambda: children(server.proc.pid), 60, 0.01)  # its backends are starting: past the CLI's imports
+        server.proc.send_signal(signal.SIGINT)
+        server.proc.wait(30)
+        assert "mvllm: serving" not in server.log.read_text()
+    finally:
+        server.stop()
