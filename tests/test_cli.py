@@ -27,6 +27,17 @@ def test_serve_rejects_bad_input_before_loading_anything():
         assert message in result.output and "Traceback" not in result.output
 
 
+def test_serve_says_an_unknown_policy_before_checking_the_backends(monkeypatch):
+    """Checking the backends starts a process that imports torch (seconds): a misspelt policy is said first."""
+    def never(*a, **k):
+        raise AssertionError("the backends were checked first")
+
+    monkeypatch.setattr("mvllm.server.serve.parse_apart", never)
+    for policy, message in (("fastest", "unknown policy 'fastest'"), ("split:x", "K must be")):
+        result = CliRunner().invoke(app, ["serve", "--model", "synthetic:tiny-qwen2", "--policy", policy])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_serve_policy_defaults_to_the_one_backend_else_eta_with_a_profile_else_gpu_only():
     from mvllm.server.serve import choose_policy
 

@@ -13,7 +13,7 @@ from mvllm.engine.modes import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
 from mvllm.model.tokenizer import Tokenizer
-from mvllm.routing.policies.registry import is_known
+from mvllm.routing.policies.registry import is_known, make_policy
 from mvllm.routing.policies.slo import idle_misses
 from mvllm.routing.rates import load_profile, rates_as_served
 from mvllm.routing.router import Router
@@ -97,6 +97,8 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
 
     from mvllm.server.shutdown import GracefulServer
 
+    if policy is not None and not is_known(policy):  # said before the backends are checked (seconds: torch)
+        make_policy(policy, [])  # raises the registry's one line
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
     share_cores(specs)
     data = load_profile(profile) if profile else None  # read once: its rates and its threads
