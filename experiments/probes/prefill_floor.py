@@ -71,30 +71,37 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def floor(cfg, n: int, dtype: torch.dtype, layers, repeats: int) -> dict:
-    """The floor of an n-token cold prompt: the layers' GEMMs and SDPA (best backend), each timed on its own."""
+def sdpa_ms(cfg, n: int, dtype: torch.dtype, repeats: int, layers: int = 1) -> dict:
+    """SDPA on an n-token causal prompt (cfg's heads, KV heads and head dim), `layers` times, per backend (cuDNN,
+    flash): milliseconds, or why it failed. GQA in the kernel where the backend takes it; else K/V repeated first."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    x = torch.randn(n, cfg.hidden_size, device="cuda", dtype=dtype)
-    attn = torch.randn(n, cfg.num_heads * cfg.head_dim, device="cuda", dtype=dtype)
-    act = torch.randn(n, cfg.intermediate_size, device="cuda", dtype=dtype)
-    gemm_ms = timed(lambda: gemms(x, attn, act, layers), repeats)
-    sdpa = {}
+    out = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        for expand in (False, True):  # GQA in the kernel where the backend takes it; else K/V repeated first
+        for expand in (False, True):
             q, k, v = attention_inputs(cfg, n, dtype, expand)
 
             def run(q=q, k=k, v=v, expand=expand, scale=cfg.head_dim ** -0.5):
-                for _ in range(len(layers)):
+                for _ in range(layers):
                     F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=not expand)
             try:
                 with sdpa_kernel(backend):
                     ms = timed(run, repeats)
             except RuntimeError as e:
-                sdpa[f"{name}{'-expanded' if expand else ''}"] = f"failed: {str(e).splitlines()[0][:120]}"
+                out[f"{name}{'-expanded' if expand else ''}"] = f"failed: {str(e).splitlines()[0][:120]}"
                 continue
-            sdpa[f"{name}{'-expanded' if expand else ''}"] = round(ms, 3)
+            out[f"{name}{'-expanded' if expand else ''}"] = round(ms, 3)
             break
+    return out
+
+
+def floor(cfg, n: int, dtype: torch.dtype, layers, repeats: int) -> dict:
+    """The floor of an n-token cold prompt: the layers' GEMMs and SDPA (best backend), each timed on its own."""
+    x = torch.randn(n, cfg.hidden_size, device="cuda", dtype=dtype)
+    attn = torch.randn(n, cfg.num_heads * cfg.head_dim, device="cuda", dtype=dtype)
+    act = torch.randn(n, cfg.intermediate_size, device="cuda", dtype=dtype)
+    gemm_ms = timed(lambda: gemms(x, attn, act, layers), repeats)
+    sdpa = sdpa_ms(cfg, n, dtype, repeats, len(layers))
     timings = {k: v for k, v in sdpa.items() if isinstance(v, float)}
     if not timings:
         raise SystemExit(f"prefill_floor: no SDPA backend ran for {n} tokens: {sdpa}")

@@ -9,7 +9,7 @@ through the paged cache (blocks of 16, shuffled) to every key before them, its i
 For each setting (rows a tile holds, 8 a token: the group's 7 heads padded; keys a loop step; warps; pipeline
 stages) the kernel's time summed over the chunks (median of --repeats, CUDA events), checked against the default
 setting's output. Beside it, in the same run, SDPA on the whole prompt (causal, GQA; cuDNN and flash, the
-faster): the floor the engine is measured against (experiments/probes/prefill_floor.py). The sweep times the
+faster; prefill_floor.py's own timing): the floor the engine is measured against. The sweep times the
 longest length first, stops at --budget-s, then times the best few settings at every length.
 """
 
@@ -19,12 +19,12 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
+from prefill_floor import sdpa_ms, timed  # this folder: the same timing and SDPA as the engine's floor
 
 from mvllm.kernels import triton_attention as ta
 
@@ -68,38 +68,14 @@ def run_chunks(packed, cache) -> list[torch.Tensor]:
     return [ta._triton(q, cache, p, table, BLOCK, D ** -0.5) for q, p, table in packed]
 
 
-def timed(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    if DEVICE == "cpu":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def sdpa_ms(n: int, repeats: int) -> dict:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(1, HEADS, n, D, device="cuda", dtype=DTYPE)
-    k, v = (torch.randn(1, KV_HEADS, n, D, device="cuda", dtype=DTYPE) for _ in "kv")
-    got = {}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                got[name] = round(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                              enable_gqa=True), repeats), 4)
-        except RuntimeError as e:
-            got[name] = f"failed: {str(e).splitlines()[0][:100]}"
-    return got
+def timed_ms(fn, repeats: int) -> float:
+    """prefill_floor.timed on the GPU (CUDA events); under the CPU's interpreter one wall-clock run."""
+    if DEVICE == "cuda":
+        return timed(fn, repeats)
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 def main() -> None:
@@ -128,7 +104,8 @@ def main() -> None:
            "git_commit": os.environ.get("MVLLM_GIT_COMMIT"), "sdpa_ms": {}, "sweep": [], "best": []}
     if DEVICE == "cuda":
         for n in lengths:
-            out["sdpa_ms"][n] = sdpa_ms(n, a.repeats)
+            out["sdpa_ms"][n] = sdpa_ms(SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D), n,
+                                        DTYPE, a.repeats)
             print(f"SDPA {n}: {out['sdpa_ms'][n]}", flush=True)
     longest = max(lengths)
     reference = {}
@@ -142,7 +119,7 @@ def main() -> None:
         try:
             packed = packed_chunks(cases[longest])
             got = run_chunks(packed, cache)
-            ms = timed(lambda packed=packed: run_chunks(packed, cache), a.repeats)
+            ms = timed_ms(lambda packed=packed: run_chunks(packed, cache), a.repeats)
         except Exception as e:  # a setting past the GPU's shared memory or registers
             out["sweep"].append({**s, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"})
             print(f"{s}: {out['sweep'][-1]['error']}", flush=True)
@@ -163,7 +140,7 @@ def main() -> None:
         row = {**s, "ms": {}}
         for n in lengths:
             packed = packed_chunks(cases[n])
-            row["ms"][n] = round(timed(lambda packed=packed: run_chunks(packed, cache), a.repeats), 4)
+            row["ms"][n] = round(timed_ms(lambda packed=packed: run_chunks(packed, cache), a.repeats), 4)
         out["best"].append(row)
         print(f"{s}: {row['ms']}", flush=True)
     if a.out:

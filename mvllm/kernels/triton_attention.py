@@ -38,8 +38,8 @@ from mvllm.kernels import cpu_fused
 
 TILE = 16  # tokens a program of the tiled kernel takes
 TILED_MIN = 2  # a sequence with this many new tokens in a step or more runs through the tiled kernel
-# the tiled kernel's launch: keys a loop step (block_n), warps and pipeline stages (None: Triton's default), the
-# best of experiments/probes/tiled_sweep.py on an H100 within its noise (results/serving-engine)
+# the tiled kernel's launch: keys a loop step (block_n), warps and pipeline stages, the best of
+# experiments/probes/tiled_sweep.py on an H100 within its noise (results/serving-engine)
 TILED = {"block_n": 128, "num_warps": 4, "num_stages": 2}
 LOG2E = 1.4426950408889634
 
@@ -58,11 +58,15 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def set_tiled(setting: dict, group: int) -> None:
     """Launch the tiled kernel with `setting` (rows a tile holds, block_n, num_warps, num_stages) for a model
     whose KV heads each serve `group` query heads: TILE becomes the tokens that many rows hold."""
     global TILE
-    TILE = setting["rows"] // (1 << (group - 1).bit_length())
+    TILE = setting["rows"] // next_pow2(group)
     TILED.update({k: setting[k] for k in ("block_n", "num_warps", "num_stages")})
 
 
@@ -190,14 +194,11 @@ def _triton(q, cache, packed, tables, block_size: int, scale: float, splits: int
     ieee = q.dtype == torch.float32
     rows = t  # rows the per-token kernel takes: every row, or (after the tiled kernel) what is left of them
     if tiled:
-        gdiv = next_pow2(group)  # each token's rows: its KV head's query heads, padded
-        block_rows = TILE * gdiv
         programs = min(t, t // TILE + sequences + 1)  # at least as many as the tiles
-        launch = {k: TILED[k] for k in ("num_warps", "num_stages") if TILED[k]}
-        launch.setdefault("num_warps", 8 if block_rows >= 128 else 4)
         jit()._tiles_kernel[(programs, hkv)](
-            q, cache, out, packed, tables, scale * LOG2E, programs, *strides, GROUP=group, GDIV=gdiv, ROWS=block_rows,
-            TILE=TILE, D=d, BLOCK=block_size, BLOCK_N=max(TILED["block_n"], block_size), IEEE=ieee, **launch)
+            q, cache, out, packed, tables, scale * LOG2E, programs, *strides, GROUP=group,
+            GROUP_PAD=next_pow2(group), TILE=TILE, D=d, BLOCK=block_size, BLOCK_N=max(TILED["block_n"], block_size),
+            IEEE=ieee, num_warps=TILED["num_warps"], num_stages=TILED["num_stages"])
         rows = min(t, sequences * (TILED_MIN - 1))
         if rows == 0:
             return out.view(t, h * d)

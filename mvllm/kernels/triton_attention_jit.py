@@ -15,6 +15,7 @@ def rstd_row(x_ptr, HIDDEN, eps, BLOCK_H: tl.constexpr):
         squares += v * v
     return 1.0 / tl.sqrt(tl.sum(squares, 0) / HIDDEN + eps)
 
+
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, b_ptr, x_ptr, eps, HIDDEN,
                        s_qkv, s_cos, s_sin, s_row, s_col, sc_kv, sc_slot, sc_h, sq_t, sq_h, s_x,
@@ -62,6 +63,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, packed_ptr, q_ptr, 
     tl.store(key + sc_kv, v1.to(dtype), mask=kv)
     tl.store(key + sc_kv + HALF, v2.to(dtype), mask=kv)
 
+
 @triton.jit
 def listed_row(packed_ptr, p, T, s_row, s_col, LISTED: tl.constexpr):
     """The row a per-token program p takes: p itself, or (LISTED) the p-th from the back of column 5, -1
@@ -71,6 +73,7 @@ def listed_row(packed_ptr, p, T, s_row, s_col, LISTED: tl.constexpr):
     else:
         row = p + 0 * T
     return row
+
 
 @triton.jit
 def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, tables_ptr, scale, T,
@@ -130,6 +133,7 @@ def _rows_kernel(q_ptr, cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, packed_ptr, t
             tl.store(m_ptr + at, m, mask=g < GROUP)
             tl.store(l_ptr + at, total, mask=g < GROUP)
 
+
 @triton.jit
 def attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scale, sc_kv, sc_slot, sc_h,
            st_col, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -166,26 +170,25 @@ def attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scal
         acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
     return acc, m_new, total * alpha + tl.sum(p, 1)
 
+
 @triton.jit
 def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, qk_scale, PROGRAMS,
                   sq_t, sq_h, sc_kv, sc_slot, sc_h, s_row, s_col, st_seq, st_col, so_t, so_h,
-                  GROUP: tl.constexpr, GDIV: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-                  D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """Program (p, KV head): a tile of column 5 (read from the PROGRAMS-th entry down, so the later tiles of
     a sequence, with more keys, start first): up to TILE consecutive rows of one sequence times the KV
     head's group of query heads, as one block of queries over the sequence's keys up to the tile's longest
     key length. Blocks every row sees run unmasked; in the rest each row is masked past its own key length
-    (causal within the chunk, after whatever context is cached). Entries that are not tiles do nothing.
-    The block's ROWS query rows are row i = (token i // GDIV, head i % GDIV), GDIV the group padded to a
-    power of two."""
+    (causal within the chunk, after whatever context is cached). Entries that are not tiles do nothing."""
     e = tl.load(packed_ptr + (PROGRAMS - 1 - tl.program_id(0)) * s_row + 5 * s_col)
     kvh = tl.program_id(1)
     if e >= 0:
         r0 = e // TILE
         n = e % TILE + 1
-        i = tl.arange(0, ROWS)
-        m = i // GDIV
-        g = i % GDIV
+        i = tl.arange(0, TILE * GROUP_PAD)
+        m = i // GROUP_PAD
+        g = i % GROUP_PAD
         inside = m < n
         valid = inside & (g < GROUP)
         rows = r0 + m
@@ -197,9 +200,9 @@ def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, qk_scale, P
         hi = tl.max(key_len, 0)
         unmasked = tl.min(tl.where(inside, key_len, hi), 0) // BLOCK_N * BLOCK_N  # keys every row sees
         table = tables_ptr + tl.load(packed_ptr + r0 * s_row + 4 * s_col) * st_seq
-        mx = tl.full([ROWS], float("-inf"), tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D], tl.float32)
+        mx = tl.full([TILE * GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([TILE * GROUP_PAD], tl.float32)
+        acc = tl.zeros([TILE * GROUP_PAD, D], tl.float32)
         for start in range(0, unmasked, BLOCK_N):
             acc, mx, total = attend(q, acc, mx, total, cache_ptr, table, start, hi, key_len, kvh, qk_scale,
                                     sc_kv, sc_slot, sc_h, st_col, D, BLOCK, BLOCK_N, False, IEEE)
@@ -208,6 +211,7 @@ def _tiles_kernel(q_ptr, cache_ptr, out_ptr, packed_ptr, tables_ptr, qk_scale, P
                                     sc_kv, sc_slot, sc_h, st_col, D, BLOCK, BLOCK_N, True, IEEE)
         tl.store(out_ptr + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
 
 @triton.jit
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, packed_ptr, T, s_row, s_col, so_t, so_h, H: tl.constexpr,

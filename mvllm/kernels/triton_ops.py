@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mvllm.kernels.triton_attention import HAS_TRITON, next_pow2, rstd
+from mvllm.kernels.triton_attention import HAS_TRITON, cdiv, next_pow2, rstd
 
 
 @functools.cache
@@ -35,9 +35,6 @@ def jit():
 
     return triton_ops_jit
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 SMALL_ROWS = 32  # linear: steps of up to this many rows take the Triton kernel, larger ones cuBLAS
 
@@ -132,8 +129,9 @@ def _triton_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
     chunks = cdiv(vocab, ARGMAX_BLOCK)
     best = logits.new_empty(rows * chunks, dtype=torch.float32)
     at = logits.new_empty(rows * chunks, dtype=torch.int32)
-    jit()._argmax_kernel[(rows, chunks)](logits, out, best, at, counters(logits.device, rows), vocab, logits.stride(0),
-                                   CHUNKS=chunks, BLOCK=ARGMAX_BLOCK, BLOCK_C=next_pow2(chunks))
+    jit()._argmax_kernel[(rows, chunks)](logits, out, best, at, counters(logits.device, rows), vocab,
+                                         logits.stride(0), CHUNKS=chunks, BLOCK=ARGMAX_BLOCK,
+                                         BLOCK_C=next_pow2(chunks))
 
 
 def config(rows: int, n: int, k: int) -> dict:

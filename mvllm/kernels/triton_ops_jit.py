@@ -22,6 +22,7 @@ def _silu_mul_kernel(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, INTER, HIDDEN, ep
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
+
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_SPLIT, s_x, s_w, s_r,
                    s_out, BIAS: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
@@ -59,6 +60,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, count_ptr, M, N,
     else:
         _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS, RES)
 
+
 @triton.jit
 def _argmax_kernel(x_ptr, out_ptr, best_ptr, at_ptr, count_ptr, N, s_x, CHUNKS: tl.constexpr,
                    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -80,6 +82,7 @@ def _argmax_kernel(x_ptr, out_ptr, best_ptr, at_ptr, count_ptr, N, s_x, CHUNKS: 
         first = tl.min(tl.where(tops == tl.max(tops, 0), ats, N), 0)
         tl.store(out_ptr + row, first.to(tl.int64))
         tl.atomic_xchg(count_ptr + row, 0)
+
 
 @triton.jit
 def _out(acc, b_ptr, r_ptr, out_ptr, rows, cols, row_ok, col_ok, s_r, s_out, BIAS: tl.constexpr,
