@@ -13,13 +13,13 @@ from conftest import http_client, wait_for
 
 from mvllm.bench.process import ServerProcess
 
-MODEL = "synthetic:smollm2-135m"  # slow enough on one thread (~10-30 ms a step) to stop mid-stream
-TINY = "synthetic:tiny-llama"  # ~0.7 ms a step: starts in half the time, where no stream must outlast a timeout
+TINY = "synthetic:tiny-llama"  # ~0.7 ms a step; a stream that must outlast a timeout runs on NULLS
 BACKENDS = "gpu=cpu/threads=1,cpu=cpu/threads=1"
+NULLS = "gpu=null/step_ms=20,cpu=null/step_ms=20"
 
 
-def start(tmp_path, *args, model: str = MODEL) -> ServerProcess:
-    server = ServerProcess(["--model", model, "--backends", BACKENDS, "--policy", "round-robin", *args],
+def start(tmp_path, *args, backends: str = BACKENDS) -> ServerProcess:
+    server = ServerProcess(["--model", TINY, "--backends", backends, "--policy", "round-robin", *args],
                            tmp_path / "server.log").start()
     server.wait_ready(180)
     return server
@@ -42,8 +42,8 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def stream(url: str, max_tokens: int, out: list, started: threading.Event, model: str = MODEL) -> None:
-    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "temperature": 0,
+def stream(url: str, max_tokens: int, out: list, started: threading.Event) -> None:
+    body = {"model": TINY, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with http_client.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -53,7 +53,10 @@ def stream(url: str, max_tokens: int, out: list, started: threading.Event, model
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
-    server = start(tmp_path, "--shutdown-timeout", "1", "--routing-log", str(tmp_path / "routing.jsonl"))
+    # null backends (tokens every 20 ms, no model): a stream outlasts the 1 s timeout, and the server starts in
+    # seconds where two SmolLM2-shaped workers took 13-50 s
+    server = start(tmp_path, "--shutdown-timeout", "1", "--routing-log", str(tmp_path / "routing.jsonl"),
+                   backends=NULLS)
     try:
         workers = children(server.proc.pid)
         assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
@@ -65,7 +68,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         server.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)  # SIGTERM was handled
         late = http_client.post(f"{server.url}/v1/completions", timeout=10,
-                          json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
+                          json={"model": TINY, "prompt": [1, 2], "max_tokens": 2})
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
         reader.join(30)
         assert not reader.is_alive()
@@ -82,11 +85,11 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
 
 
 def test_running_requests_finish_within_the_timeout(tmp_path):
-    server = start(tmp_path, "--shutdown-timeout", "30", model=TINY)
+    server = start(tmp_path, "--shutdown-timeout", "30")
     try:
         chunks: list[str] = []
         started = threading.Event()
-        reader = threading.Thread(target=stream, args=(server.url, 1500, chunks, started, TINY))
+        reader = threading.Thread(target=stream, args=(server.url, 1500, chunks, started))
         reader.start()
         assert started.wait(60)
         server.proc.send_signal(signal.SIGINT)  # Ctrl-C drains the same way as SIGTERM
@@ -101,7 +104,7 @@ def test_running_requests_finish_within_the_timeout(tmp_path):
 
 
 def test_workers_do_not_outlive_a_killed_server(tmp_path):
-    server = start(tmp_path, model=TINY)
+    server = start(tmp_path)
     try:
         workers = children(server.proc.pid)
         assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
