@@ -36,6 +36,8 @@ struct Barrier {
         }
 #if defined(__x86_64__)
         __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("isb" ::: "memory");  // ARM's spin-wait hint (as Rust's spin_loop): polls pace as on x86
 #endif
       }
   }
