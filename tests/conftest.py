@@ -97,9 +97,10 @@ def prompts(seed: int, lengths: list[int], vocab: int = VOCAB - 1) -> list[list[
 
 # The files that take minutes, first: `make test` hands whole files to its two workers in collection order
 # (--dist loadfile --no-loadscope-reorder), so the longest start at once and the two workers end together.
-FIRST = ["test_accuracy_served.py", "test_accuracy.py", "test_mac.py", "test_shutdown.py", "test_server.py",
-         "test_bench.py", "test_package.py", "test_fuzz.py", "test_build.py", "test_bench_capacity.py",
-         "test_faults.py", "test_simulate.py", "test_remote.py", "test_shared_server.py"]
+FIRST = ["test_mac.py", "test_accuracy.py", "test_build.py", "test_accuracy_served.py", "test_server.py",
+         "test_faults.py", "test_bench_capacity.py", "test_fuzz.py", "test_package.py", "test_simulate.py",
+         "test_remote.py", "test_bench.py", "test_cpu_kernels.py", "test_gpu.py", "test_report.py", "test_engine.py",
+         "test_report_traffic.py", "test_shutdown.py", "test_shared_server.py"]
 
 
 def pytest_collection_modifyitems(items):

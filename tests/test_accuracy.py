@@ -14,7 +14,7 @@ from mvllm.engine import quant
 from mvllm.engine.engine import EngineConfig
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import build_model, resolve
-from mvllm.profile import accuracy
+from mvllm.profile import accuracy, run
 from mvllm.profile.accuracy import KL_BOUND, MIN_TOKENS, SYNTHETIC_NOTE, compare, eval_tokens
 
 CPU = torch.device("cpu")
@@ -77,8 +77,9 @@ def test_eval_text_errors(smollm2, tiny, tmp_path):
         eval_tokens(smollm2.engine.source, tmp_path / "missing.txt")
 
 
-def test_profile_writes_accuracy(smollm2, tmp_path, monkeypatch):
+def test_profile_writes_accuracy(reference, tmp_path, monkeypatch):
     monkeypatch.setattr(accuracy, "DECODE_CHUNK", 16)  # that profile writes both numbers is the question here
+    monkeypatch.setattr(run, "Reference", lambda source: reference)  # the same model's float32 logits, made once
     out = tmp_path / "p.json"
     res = runner.invoke(app, ["profile", "--backends", "cpu=cpu/threads=1/max_step_tokens=64,"
                               "lossy=cpu/quant=int8-lossy/threads=1/max_step_tokens=64",
