@@ -2,7 +2,7 @@
 cell is the highest load at which 99% of the requests meet an SLO (`mvllm simulate --slo`'s search).
 
 Machines: the reference's M2 from its published rates (m2_reference.py, f = 0.8), the H100 machine's profile
-(results/capacity/pace/profile.json, the budgeted step measured), the same with the GPU held to one active request (gpu-serial), and with the
+(results/capacity/tiled/profile.json, the budgeted step measured), the same with the GPU held to one active request (gpu-serial), and with the
 H100's CPU at 0.5x, 2x and 8x its profiled speed (`simulate --grid`'s faster_cpu). Workload: paper-48's requests
 (496 cached + 20 new prompt tokens, 128 out) as 400 Poisson arrivals, on paper-48's backends (4 active each; the
 M2 as the reference ran it), each at two SLOs: TTFT 2 s / TPOT 100 ms, which every CPU here meets idle, and a tight
@@ -52,7 +52,7 @@ BEST = "best share"
 SHARE = 0.99
 LOOSE, TIGHT_M2, TIGHT = "ttft:2000 tpot:100", "ttft:2000 tpot:50", "ttft:500 tpot:5"
 TIGHT_TRACE = "ttft:2000 tpot:50"  # the trace's long prompts (to 30,000 tokens) miss 500 ms and stall 5 ms steps
-H100 = ROOT.parent / "results/capacity/pace/profile.json"  # with chunk rows: the budgeted step as the engine runs it
+H100 = ROOT.parent / "results/capacity/tiled/profile.json"  # chunk rows: the budgeted step, the tuned tiled kernel
 
 
 def poisson(backends: str, requests: int = 400):
@@ -169,7 +169,7 @@ def main() -> int:
                     "best_p": next((p["p"] for p in found[BEST]["points"] if p["load"] == found[BEST]["capacity"]),
                                    None),
                     "searches": found}
-                console.print(line(row), highlight=False)
+                console.print(line(row), highlight=False, emoji=False)
                 data["rows"] = list(rows.values())
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(data, separators=(",", ":")) + "\n")

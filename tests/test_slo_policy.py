@@ -63,6 +63,18 @@ def test_slo_overflows_to_the_cpu_only_past_the_gpus_ttft_bound():
     assert [e.route(f"r{i}", 516, 128, {"gpu": 496, "cpu": 496}) for i in range(12)] == ["gpu"] * 12
 
 
+def test_slo_offloads_from_a_tenth_of_the_ttft_bound_where_the_cpu_fits_easily():
+    def placed(tpot_ms: float) -> list[str]:
+        r = m2_router({"ttft_ms": 9000.0, "tpot_ms": tpot_ms})
+        return [r.route(f"r{i}", 516, 128, {"gpu": 496, "cpu": 496}) for i in range(5)]
+
+    # the 5th request would wait 1.80 s on the GPU: a fifth of the 9 s bound. The CPU gives it its first token
+    # in 0.35 s and steps at 76 ms: within half of a 200 ms TPOT bound it fits easily, and takes it; within 120 ms
+    # only closely, and the GPU, under a quarter of the bound, keeps it
+    assert placed(200.0) == ["gpu"] * 4 + ["cpu"]
+    assert placed(120.0) == ["gpu"] * 5
+
+
 def test_slo_sends_a_lost_request_to_a_backend_that_meets_the_slo_for_no_one():
     tight = {"ttft_ms": 2000.0, "tpot_ms": 50.0}  # the M2's CPU steps at 62 ms and more: it meets this for no one
     r = m2_router(tight)

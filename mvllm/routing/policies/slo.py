@@ -15,6 +15,8 @@ from mvllm.routing.policies.eta import ETA_MARGIN, Eta
 
 HEADROOM = 0.1  # a backend "meets" first only with its predicted TTFT and E2E this far inside their bounds
 LIGHT = 0.25  # the GPU is "light" while its predicted TTFT is within this share of the bound
+EARLY = 0.1  # ... or within this share, where a slower backend fits easily:
+EASY_TTFT, EASY_TPOT = 0.1, 0.5  # its first token within this share of the TTFT bound, its step of the TPOT bound
 RISK = 0.05  # a backend takes a prefill whose stall is expected to push at most this many running requests past TPOT
 
 
@@ -43,8 +45,9 @@ class Slo(Eta):
     included, plus the prefills of the requests that will take the slots freed while it runs) and E2E (eta's
     finish); a backend where its prefill would likely push a running request past the TPOT bound (`_stalls`)
     does not meet the SLO. Then (docs/routing.md, "Routing by the SLO"):
-    1. while the home backend (the fastest decoder, and its peers) fits with its TTFT within LIGHT of the bound,
-       eta's rule among the backends that do;
+    1. while the home backend (the fastest decoder, and its peers) fits with its TTFT within LIGHT of the bound
+       (EARLY where a slower backend fits easily: first token and step well inside theirs), eta's rule among the
+       backends that do;
     2. else a slower backend that fits (TTFT and E2E with HEADROOM to spare), else any that fits, else any that
        meets the SLO, eta's rule among them;
     3. else the request is lost wherever it goes: it goes where it takes nothing from requests that can still
@@ -78,7 +81,7 @@ class Slo(Eta):
         ttft, tpot, e2el = (slo.get(k, float("inf")) / 1000 for k in ("ttft_ms", "tpot_ms", "e2el_ms"))
         keep = 1 - HEADROOM
         own = self.router.expect("", Booking("", request.prompt_tokens, 0, request.max_tokens))
-        light, fits, close = [], [], []
+        timed, fits, close = [], [], []
         for b in alive:
             c, timing = candidates[b], self.router.timings[b]
             booked = list(self.router.bookings[b].values())
@@ -100,11 +103,12 @@ class Slo(Eta):
                 close.append(b)
                 if first <= ttft * keep and c.eta <= e2el * keep:
                     fits.append(b)
-                    if first <= ttft * LIGHT:
-                        light.append(b)
+                    timed.append((b, first, step))
         home = max(alive, key=lambda b: candidates[b].decode_rate)
         floor = candidates[home].decode_rate * (1 - ETA_MARGIN)
         fast = {b for b in alive if candidates[b].decode_rate >= floor}
+        easy = any(b not in fast and f <= ttft * EASY_TTFT and st <= tpot * EASY_TPOT for b, f, st in timed)
+        light = [b for b, f, _ in timed if f <= ttft * (EARLY if easy else LIGHT)]
         if fast & set(light):
             return super().choose(light, candidates, request)
         for group in ([b for b in fits if b not in fast], fits, close):
