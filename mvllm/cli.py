@@ -154,6 +154,9 @@ def serve(
                                                       "route to it again."),
     target_slo: str = typer.Option(None, help="The SLO to route by, in --slo's form (e.g. \"ttft:2000 tpot:100\", "
                                               "ms): with --profile the default policy is then slo."),
+    api_servers: int = typer.Option(None, help="HTTP processes sharing the port, in front of one core process that "
+                                               "routes (default: 1; beside a GPU backend one per 8 CPUs, at most "
+                                               "4; 1 on macOS)."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
     # Ctrl-C (SIGINT) stops a server still starting as it drains a running one, even where it was started with
@@ -164,7 +167,7 @@ def serve(
     if shutdown_timeout < 0:
         raise MvllmError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout:g}")
     run(model, backends, policy, profile, max_active, host, port, routing_log, warm_prefix,
-        ready_timeout, shutdown_timeout, restart_backends, target_slo)
+        ready_timeout, shutdown_timeout, restart_backends, target_slo, api_servers)
 
 
 # the capacity search's options, the same for bench and simulate

@@ -280,25 +280,45 @@ def default_backends() -> str:
     return "gpu=cpu,cpu=cpu"
 
 
-API_PROCESSES = 1  # the server's API process (its router and streams), beside its backends' workers
+CORES_PER_API = 8  # beside a GPU backend, one API process per this many logical CPUs (at most MAX_API)
+MAX_API = 4
 
 
-def share_cores(specs: list[BackendSpec], client: bool = False) -> str:
+def api_servers(specs: list[BackendSpec], asked: int | None = None) -> int:
+    """How many API processes `serve` runs: `asked` (--api-servers), else one, or beside a local GPU backend one
+    per CORES_PER_API logical CPUs, at most MAX_API (2 on a 16-core GPU host). One on macOS, and where no GPU
+    backend runs: there a CPU backend's steps, not the API, set the pace, and the cores are its."""
+    if asked is not None:
+        return asked
+    gpus = [s for s in specs if not s.remote and not s.null and s.device != "cpu"]
+    if not gpus or machine.system() == "darwin":
+        return 1
+    return max(1, min(MAX_API, machine.logical_cpus() // CORES_PER_API))
+
+
+def serving_processes(apis: int) -> int:
+    """The server's processes beside its backends' workers: one, or N API processes and the core."""
+    return 1 if apis == 1 else apis + 1
+
+
+def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None = None) -> str:
     """Share the cores as `serve` runs the backends, each in its own process; returns why, in one line.
 
     CPU backends without a thread count split the compute cores (on Apple silicon the performance cores:
     machine.compute_cores) that the GPU workers (a core each) leave. Beside a GPU backend they also leave a core
-    to the API process, and under `bench` (`client`) one to its client: at a GPU's token rates each of those
+    to each of the server's processes (its API processes, and the core where there are several: `apis`, by
+    default api_servers'), and under `bench` (`client`) one to its client: at a GPU's token rates each of those
     keeps most of a core busy, and a CPU backend on every core but the GPU worker's slowed the GPU's serving
     (docs/backends.md). Where the machine has more logical CPUs than compute cores (Apple's
-    efficiency cores) those two go there first. `profile` applies the same split, so a backend is measured with
+    efficiency cores) those go there first. `profile` applies the same split, so a backend is measured with
     the threads it will be served with."""
     local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
     # backend computes nothing
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
     gpus = len(local) - len([s for s in local if s.device == "cpu"])
     cores, what = machine.compute_cores()
-    serving = (API_PROCESSES + client) if gpus else 0
+    apis = api_servers(specs) if apis is None else apis
+    serving = (serving_processes(apis) + client) if gpus else 0
     elsewhere = max(0, machine.logical_cpus() - cores)  # cores no CPU backend computes on
     left = cores - gpus - max(0, serving - elsewhere)
     for s in cpu:
@@ -310,7 +330,8 @@ def share_cores(specs: list[BackendSpec], client: bool = False) -> str:
         return ""
     less = [f"{gpus} GPU worker(s)"] if gpus else []
     if serving > elsewhere:
-        less.append("the API process" + (" and the bench client" if client else ""))
+        server = "the API process" if apis == 1 else f"{apis} API processes and the core"
+        less.append(server + (" and the bench client" if client else ""))
     over = f" over {len(cpu)} CPU backends" if len(cpu) > 1 else ""
     return f"{cpu[0].threads} a CPU backend: {what}" + (f" less {', '.join(less)}" if less else "") + over
 

@@ -22,7 +22,9 @@ from mvllm.slo import SloError, parse_slo
 
 def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_size: int,
               warm_prefix: str | list[int] | None = None, context: int | None = None) -> FastAPI:
-    """context: the model's own context length, for when no backend reports one (a foreign remote)."""
+    """context: the model's own context length, for when no backend reports one (a foreign remote).
+    `cluster`: the Cluster itself, or an API process's link to the core's (server/api.py), which answers the
+    same calls."""
     @asynccontextmanager
     async def lifespan(_app):
         cluster.start(asyncio.get_running_loop())
@@ -119,22 +121,12 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
 
     @app.get("/health")
     async def health():
-        states = {n: {"alive": cluster.serving(n), "restarts": cluster.restarts[n]} for n in cluster.backends}
-        for n, b in cluster.backends.items():
-            if b.spec.remote:
-                states[n].update(b.health())
-        for n, why in cluster.restart_error.items():
-            states[n]["restart_error"] = why
-        for n, why in cluster.start_errors.items():
-            states[n]["start_error"] = why
-        if not cluster.healthy():
-            down = [n for n in cluster.backends if not cluster.serving(n)]
-            return JSONResponse({"status": "degraded", "down": down, "backends": states}, status_code=503)
-        return {"status": "ok", "backends": states}
+        code, body = await cluster.health()
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(cluster.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await cluster.render_metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/backends")
     async def backends():
@@ -142,9 +134,10 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
 
     @app.post("/v1/warm")
     async def warm(body: WarmRequest):
-        if body.backend is not None and body.backend not in cluster.backends:
-            raise InvalidRequestError(f"unknown backend {body.backend!r}; backends are "
-                                      f"{', '.join(cluster.backends)}", "backend")
+        names = cluster.backend_names
+        if body.backend is not None and body.backend not in names:
+            raise InvalidRequestError(f"unknown backend {body.backend!r}; backends are {', '.join(names)}",
+                                      "backend")
         ids = tokenizer.encode(body.prompt)
         if not ids or len(ids) >= max_len:
             raise InvalidRequestError(f"a warm prefix needs 1 to {max_len - 1} tokens", "prompt")
@@ -168,7 +161,6 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
             raise InvalidRequestError(str(e), "slo") from None
         if body.slo is not None and not slo:
             raise InvalidRequestError("slo names no bound; e.g. \"ttft:2000 tpot:100\"", "slo")
-        cluster.router.set_policy(body.policy, slo)
-        return {"policy": cluster.router.policy.name}
+        return {"policy": await cluster.set_policy(body.policy, slo)}
 
     return app

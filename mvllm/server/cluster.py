@@ -85,6 +85,16 @@ class Stream:
         return tokens
 
 
+def push_all(pushes: list[Stream]) -> None:
+    """Push each stream's tokens (or wake its response, which no longer pushes)."""
+    for stream in pushes:
+        stream.pushing = False
+        if stream.push is not None:
+            stream.push()
+        else:
+            stream.wake()
+
+
 class Cluster:
     """restart: respawn a backend whose worker died, warm it with the prefixes warmed so far, and route to it
     again. A dead backend's requests that have not sent a token yet go to another backend by the policy."""
@@ -139,6 +149,37 @@ class Cluster:
 
     def healthy(self) -> bool:
         return all(self.serving(n) for n in self.backends)
+
+    @property
+    def backend_names(self) -> list[str]:
+        return list(self.backends)
+
+    async def health(self) -> tuple[int, dict]:
+        """/health's status code and body."""
+        states = {n: {"alive": self.serving(n), "restarts": self.restarts[n]} for n in self.backends}
+        for n, b in self.backends.items():
+            if b.spec.remote:
+                states[n].update(b.health())
+        for n, why in self.restart_error.items():
+            states[n]["restart_error"] = why
+        for n, why in self.start_errors.items():
+            states[n]["start_error"] = why
+        if not self.healthy():
+            down = [n for n in self.backends if not self.serving(n)]
+            return 503, {"status": "degraded", "down": down, "backends": states}
+        return 200, {"status": "ok", "backends": states}
+
+    async def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    async def set_policy(self, policy: str, slo: dict | None) -> str:
+        """Route new requests by another policy; the name it took."""
+        self.router.set_policy(policy, slo)
+        return self.router.policy.name
+
+    def observe_request(self, backend: str, prompt: int, cached: int, generated: int, ttft: float | None,
+                        e2e: float) -> None:
+        self.metrics.observe_request(backend, prompt, cached, generated, ttft, e2e)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         spawn(self.tasks, coro, name, self.loop)
@@ -216,12 +257,7 @@ class Cluster:
 
     def _push(self) -> None:
         pushes, self.pushes = self.pushes, []
-        for stream in pushes:
-            stream.pushing = False
-            if stream.push is not None:
-                stream.push()
-            else:
-                stream.wake()
+        push_all(pushes)
 
     def _ended(self, name: str, rid: str, reason: str | None = None, error: str | None = None) -> None:
         self.unstarted.pop(rid, None)
@@ -344,15 +380,16 @@ class Cluster:
         return name
 
     async def submit(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
-                     prefix: str = "cmpl") -> tuple[str, str]:
-        """Route and submit one request; returns (request id, backend name)."""
+                     prefix: str = "cmpl", stream: Stream | None = None) -> tuple[str, str]:
+        """Route and submit one request; returns (request id, backend name). `stream`: its mailbox, where the
+        caller brings its own (an API process's, server/core.py)."""
         if self.draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         rid, arrival = f"{prefix}-{self.id_base}{next(self.ids):08x}", arrival or time.time()
         blocks = list(block_hashes(token_ids)) if self.router.policy.needs_blocks else None
         cached = await self.cached_prefix(token_ids, blocks)
         name = self.route(rid, token_ids, params, cached, blocks=blocks)
-        self.streams[rid] = Stream()
+        self.streams[rid] = stream if stream is not None else Stream()
         self.owner[rid] = name
         self.unstarted[rid] = (token_ids, params, arrival)
         self.metrics.routed.labels(name).inc()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mvllm.backends.spec import BackendSpec, parse_apart, share_cores
+from mvllm.backends.spec import api_servers as count_apis
 from mvllm.engine.modes import LOSSY
 from mvllm.errors import InvalidRequestError
 from mvllm.model.loader import load_tokenizer, resolve
@@ -92,15 +94,19 @@ def unmet_warning(router: Router) -> str | None:
 
 def serve(model: str, backends: str | None, policy: str | None, profile: str | None, max_active: int | None, host: str,
           port: int, routing_log: str | None, warm_prefix: str | None, ready_timeout: float,
-          shutdown_timeout: float = 30.0, restart_backends: bool = False, target_slo: str | None = None) -> None:
+          shutdown_timeout: float = 30.0, restart_backends: bool = False, target_slo: str | None = None,
+          api_servers: int | None = None) -> None:
     import uvicorn
 
     from mvllm.server.shutdown import GracefulServer
 
     if policy is not None and not is_known(policy):  # said before the backends are checked (seconds: torch)
         make_policy(policy, [])  # raises the registry's one line
+    if api_servers is not None and api_servers < 1:
+        raise InvalidRequestError(f"--api-servers must be at least 1, got {api_servers}", "api_servers")
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
-    share_cores(specs)
+    apis = count_apis(specs, api_servers)
+    share_cores(specs, apis=apis)
     data = load_profile(profile) if profile else None  # read once: its rates and its threads
     for line in lossy_warnings(specs) + thread_warnings(profile, data, specs):
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False)
@@ -125,18 +131,40 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
     try:
         with console.status(f"starting {len(specs)} backends for {model}"):
             cluster.wait_ready(ready_timeout)
-        app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix,
-                        source.config.max_position)
         ready = {name: info.get("ready_s") for name, info in cluster.snapshots.items()}
         for name, why in cluster.start_errors.items():
             console.print(f"[red]error:[/red] {why}; serving without backend {name}", highlight=False)
         names = ", ".join(f"{s.name}={s.device}" + (f" ready in {ready[s.name]} s" if ready.get(s.name) else "")
                           for s in specs if s.name not in cluster.start_errors)
-        console.print(f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy})")
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
-        GracefulServer(config, cluster, shutdown_timeout, console).run()
+        line = f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy}"
+        if apis > 1:
+            serve_apart(cluster, apis, host, port, model, source, tokenizer.encode(prefix) if prefix else None,
+                        ready_timeout, shutdown_timeout, line + f"; {apis} API processes)")
+        else:
+            app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix,
+                            source.config.max_position)
+            console.print(line + ")")
+            logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+            config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning",
+                                    timeout_graceful_shutdown=5, timeout_keep_alive=30)
+            GracefulServer(config, cluster, shutdown_timeout, console).run()
     finally:
         cluster.shutdown()
     console.print("mvllm: stopped")
+
+
+def serve_apart(cluster: Cluster, apis: int, host: str, port: int, model: str, source, prefix: list[int] | None,
+                ready_timeout: float, shutdown_timeout: float, ready_line: str) -> None:
+    """This process as the core, `apis` API processes serving HTTP (server/core.py)."""
+    from mvllm.server.core import Core, port_socket
+
+    sock = port_socket(host, port, listen=False)  # holds the port; the API processes listen on it
+    start = dict(host=host, port=port, model=model, vocab_size=source.config.vocab_size,
+                 context=source.config.max_position, snapshots=cluster.snapshots, names=list(cluster.backends))
+    core = Core(cluster, apis, start, console)
+    try:
+        asyncio.run(core.run(prefix, ready_timeout, shutdown_timeout, ready_line))
+    except asyncio.CancelledError:  # a second signal
+        pass
+    finally:
+        sock.close()

@@ -87,7 +87,7 @@ class Run:
     def _observe(self) -> None:
         now = time.time()
         ttft = self.first_token - self.arrival if self.first_token else None
-        self.cluster.metrics.observe_request(self.backend, self.prompt_tokens, self.cached, len(self.tokens),
+        self.cluster.observe_request(self.backend, self.prompt_tokens, self.cached, len(self.tokens),
                                              ttft, now - self.arrival)
 
     def usage(self) -> dict:

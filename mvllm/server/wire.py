@@ -1,0 +1,51 @@
+"""The messages between the core process and its API processes (`serve --api-servers N`): each frame is a 4-byte
+length and a pickled list of messages, so whatever one side has to say in one turn of its loop goes in one write.
+
+API process -> core:
+    ("submit", call_id, token_ids, params, arrival, prefix)  route and submit a request (params: SamplingParams' fields)
+    ("leave", rid, done)                                     its response is over (not done: abort it)
+    ("observe", backend, prompt, cached, generated, ttft, e2e)  a finished request, for /metrics
+    ("call", call_id, method, args)                          one of CALLS, answered by a reply
+core -> API process:
+    ("reply", call_id, ok, value)                            value: the result, or (error class name, message, param)
+    ("tokens", [(rid, tokens, ended, finish_reason, error, cached_tokens, backend), ...])  one per engine step
+    ("exit",)                                                the core drained: stop serving
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+
+from mvllm.errors import InvalidRequestError, MvllmError
+
+HEADER = struct.Struct("!I")
+CALLS = ("health", "render_metrics", "snapshot_all", "warm", "reset_prefix_cache", "set_policy")
+
+
+def frame(messages: list) -> bytes:
+    body = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> list:
+    """The next frame's messages; IncompleteReadError once the other side has gone."""
+    size, = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def error_value(e: Exception) -> tuple[str, str, str | None]:
+    return type(e).__name__, str(e), getattr(e, "param", None)
+
+
+def raise_error(value: tuple[str, str, str | None]) -> None:
+    """Raise, in the API process, the error the core raised: a bad request stays a 400, the rest a 503."""
+    kind, message, param = value
+    if kind == "InvalidRequestError":
+        raise InvalidRequestError(message, param)
+    if kind == "ShuttingDownError":
+        from mvllm.server.cluster import ShuttingDownError
+
+        raise ShuttingDownError(message)
+    raise MvllmError(message)

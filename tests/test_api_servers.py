@@ -1,0 +1,173 @@
+"""`serve --api-servers N`: N API processes on one port in front of one core (server/core.py), over null backends
+(tokens every 20 ms, no model). Streams finish whole on every process, counters are whole, bad input gets a 400
+from any of them, a client that hangs up or an API process that dies frees its requests, SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+from conftest import http_client, wait_for
+from test_shutdown import children, gone, stream
+
+from mvllm.backends.spec import BackendSpec, api_servers, share_cores
+from mvllm.bench.process import ServerProcess
+
+MODEL = "synthetic:tiny-llama"
+NULLS = "gpu=null/step_ms=20/max_active=64,cpu=null/step_ms=20/max_active=64"
+
+
+def start(tmp_path, *args) -> ServerProcess:
+    server = ServerProcess(["--model", MODEL, "--backends", NULLS, "--policy", "round-robin", "--api-servers", "2",
+                            *args], tmp_path / "server.log").start()
+    server.wait_ready(120)
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start(tmp_path_factory.mktemp("api-servers"))
+    yield s
+    s.stop()
+
+
+def health(server) -> dict:
+    return http_client.get(f"{server.url}/health", timeout=10).json()
+
+
+def load(server) -> dict[str, tuple[int, int]]:
+    """Each backend's (running requests, requests the router still books)."""
+    snaps = http_client.get(f"{server.url}/v1/backends", timeout=10).json()
+    return {b["name"]: (b["running"], b["booked_active"] + b["booked_queued"]) for b in snaps}
+
+
+async def streams(url: str, n: int, tokens: int) -> list:
+    """n streams, a connection each: (API process, tokens received, ended with [DONE]) or the error."""
+    async def one():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": tokens, "stream": True}
+            async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+                got, done = 0, False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        got += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                return r.headers["x-mvllm-api-server"], got, done
+
+    return await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+
+
+def generated(server) -> float:
+    text = http_client.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("mvllm_generation_tokens_total{"))
+
+
+def test_streams_spread_over_the_api_processes_and_the_counters_are_whole(server):
+    before = generated(server)
+    got = asyncio.run(streams(server.url, 48, 30))
+    assert all(g[1:] == (30, True) for g in got), got
+    assert {g[0] for g in got} == {"0", "1"}  # both processes accepted connections on the one port
+    wait_for(lambda: generated(server) - before == 48 * 30, 10, 0.1)  # counted once, by the core
+    assert sorted(health(server)["api_servers"]) == ["0", "1"]
+
+
+def test_bad_input_gets_a_400_from_every_api_process(server):
+    seen = set()
+    for _ in range(12):  # a connection each: both processes answer
+        with httpx.Client() as c:
+            r = c.post(f"{server.url}/v1/completions", content=b"{not json",
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        seen.add(r.headers.get("x-mvllm-api-server"))
+    for body, param in [({"model": "nope", "prompt": "hi"}, "model"),
+                        ({"model": MODEL, "prompt": [1, 2], "max_tokens": -1}, "max_tokens"),
+                        ({"model": MODEL, "prompt": list(range(1, 5000))}, "prompt")]:
+        r = http_client.post(f"{server.url}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = http_client.post(f"{server.url}/v1/policy", json={"policy": "nope"}, timeout=10)
+    assert r.status_code == 400 and "unknown policy" in r.json()["error"]["message"]  # raised in the core
+    assert http_client.post(f"{server.url}/v1/policy", json={"policy": "round-robin"}).json() == {
+        "policy": "round-robin"}
+    assert seen == {"0", "1"}
+
+
+def test_a_client_that_hangs_up_frees_its_request(server):
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "stream": True}
+    with httpx.Client() as c, c.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # held open: a loop left by break would close the connection here
+        assert next(line for line in lines if line.startswith("data: "))
+        assert sum(n for n, _ in load(server).values()) == 1
+    wait_for(lambda: load(server) == {"gpu": (0, 0), "cpu": (0, 0)}, 10, 0.05, lambda: str(load(server)))
+
+
+def test_an_api_process_that_dies_frees_its_requests_and_another_takes_its_place(server):
+    pids = health(server)["api_servers"]
+    for pid in pids.values():  # an API process imports no torch
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch" not in f.read()
+    out: list = []
+    runner = threading.Thread(target=lambda: out.extend(asyncio.run(streams(server.url, 16, 150))))
+    runner.start()
+    wait_for(lambda: sum(n for n, _ in load(server).values()) == 16, 20, 0.05)
+    os.kill(pids["0"], signal.SIGKILL)
+    runner.join(60)
+    ok = [g for g in out if isinstance(g, tuple)]
+    cut = [g for g in out if not isinstance(g, tuple)]
+    assert ok and cut and len(ok) + len(cut) == 16  # (round-robin over the connections: both had some)
+    assert all(g == ("1", 150, True) for g in ok), ok  # the other process's streams ran to their end
+    wait_for(lambda: load(server) == {"gpu": (0, 0), "cpu": (0, 0)}, 10, 0.05, lambda: str(load(server)))
+    wait_for(lambda: health(server).get("api_servers", {}).get("0") not in (None, pids["0"]), 60, 0.2)
+    wait_for(lambda: "0" in {g[0] for g in asyncio.run(streams(server.url, 8, 3))}, 60, 0.5)  # the new one serves
+    assert "API process 0 exited; starting another" in server.log.read_text()
+
+
+def test_sigterm_drains_every_api_process_then_exits_zero(tmp_path):
+    server = start(tmp_path, "--shutdown-timeout", "1")
+    try:
+        procs = children(server.proc.pid)
+        chunks: list[str] = []
+        started = threading.Event()
+        reader = threading.Thread(target=stream, args=(server.url, 2000, chunks, started))
+        reader.start()
+        assert started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)
+        late = http_client.post(f"{server.url}/v1/completions", timeout=10,
+                                json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        reader.join(30)
+        assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "abort"
+        assert server.proc.wait(30) == 0
+        wait_for(lambda: gone(procs), 60, 0.05, lambda: f"processes {procs} still running")
+    finally:
+        server.stop()
+
+
+def test_how_many_api_processes_and_the_cores_they_leave(monkeypatch):
+    from mvllm import machine
+
+    gpu, cpu = BackendSpec("gpu", "cuda"), BackendSpec("cpu", "cpu")
+    monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
+    monkeypatch.setattr(machine, "compute_cores", lambda: (16, "16 logical CPUs"))
+    assert api_servers([gpu, cpu]) == 2 and api_servers([cpu]) == 1 and api_servers([gpu, cpu], 3) == 3
+    why = share_cores([gpu, cpu])
+    assert cpu.threads == 16 - 1 - 3 and "2 API processes and the core" in why  # GPU worker, 2 APIs, the core
+    monkeypatch.setattr(machine, "system", lambda: "darwin")
+    assert api_servers([gpu, cpu]) == 1
+
+
+def test_api_servers_below_one_is_refused_in_one_line():
+    from typer.testing import CliRunner
+
+    from mvllm.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", MODEL, "--backends", NULLS, "--api-servers", "0"])
+    assert result.exit_code == 2 and "--api-servers must be at least 1" in result.output
+    assert "Traceback" not in result.output
