@@ -4,12 +4,15 @@ code after (this working tree), in one run.
 
     python experiments/api_cost.py --out /tmp/api_cost.json                 # before: the merge-base with main
     python experiments/api_cost.py --before HEAD~3 --concurrency 256 --step-ms 20 --out /tmp/api_cost.json
+    python experiments/api_cost.py --api-servers 1,2 --out /tmp/api_cost.json   # this tree, 1 against 2 API processes
 
 Both servers start first and idle on their own ports; then the runs alternate, before and after, --repeats times
 each: one run is --concurrency streaming requests sent at once (each --output tokens, greedy, lengths told) to
 null backends that run them all at once (--backends, default one of max_active = concurrency). A run's API cost is
 the server process's CPU time (user + system, from /proc; its backends' worker processes are apart) over the
-tokens its streams carried; the client's is this process's CPU over the same tokens. tokens_per_chunk shows
+tokens its streams carried (with --api-servers: the core's and its API processes' together, each apart, and the
+busiest one's, which bounds the pace: one core's worth of it is 1e6 / busiest_us_per_token tokens a second); the
+client's is this process's CPU over the same tokens. tokens_per_chunk shows
 whether streams kept pace (1.0) or caught up in merged chunks. The figure is each side's median run; the ratio is
 after over before. Linux only (/proc).
 """
@@ -62,17 +65,22 @@ def git(*args: str, cwd: Path = ROOT) -> str:
 class Side:
     """One side's server, started from its own tree (the tree's mvllm is the one imported: the cwd comes first)."""
 
-    def __init__(self, name: str, tree: Path, commit: str, args, log: Path):
+    def __init__(self, name: str, tree: Path, commit: str, args, log: Path, extra: tuple[str, ...] = ()):
         self.name, self.tree, self.commit, self.runs = name, tree, commit, []
-        cmd = ["--model", args.model, "--backends", args.backends]
+        cmd = ["--model", args.model, "--backends", args.backends, *extra]
         self.server = ServerProcess(cmd, log, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
 
     def run(self, reqs: list[Request], model: str) -> dict:
         pid = self.server.proc.pid
-        workers = children(pid)
-        api0, work0, client0 = cpu_seconds(pid), sum(map(cpu_seconds, workers)), time.process_time()
+        apis = [int(p) for p in self.server.http.get(f"{self.server.url}/health").json().get("api_servers",
+                                                                                              {}).values()]
+        serving = [pid, *apis]
+        workers = [p for p in children(pid) if p not in apis]
+        cpu0 = {p: cpu_seconds(p) for p in serving}
+        work0, client0 = sum(map(cpu_seconds, workers)), time.process_time()
         records, duration, _, health = generate(self.server.url, model, reqs, 600.0, 1)
-        api, client = cpu_seconds(pid) - api0, time.process_time() - client0
+        by = {p: cpu_seconds(p) - cpu0[p] for p in serving}
+        api, client = sum(by.values()), time.process_time() - client0
         work = sum(map(cpu_seconds, workers)) - work0
         done = [r for r in records if r.ok]
         tokens = sum(r.output_tokens for r in done)
@@ -80,7 +88,10 @@ class Side:
         lag = summarize_client(records, health, s["median_ttft_ms"])  # a burst's own send spread shows here too
         run = {"tokens": tokens, "failed": len(records) - len(done), "duration": round(duration, 3),
                "api_cpu_s": round(api, 3), "client_cpu_s": round(client, 3), "workers_cpu_s": round(work, 3),
+               "core_cpu_s": round(by[pid], 3) if apis else None,
+               "api_processes_cpu_s": [round(by[p], 3) for p in apis] or None,
                "api_us_per_token": round(1e6 * api / max(tokens, 1), 2),
+               "busiest_us_per_token": round(1e6 * max(by.values()) / max(tokens, 1), 2),
                "client_us_per_token": round(1e6 * client / max(tokens, 1), 2),
                "tokens_per_chunk": round(s["mean_tokens_per_chunk"] or 0.0, 3),
                "client_loop_lag_p99_ms": lag["loop_lag_ms"]["p99"],
@@ -92,7 +103,8 @@ class Side:
     def result(self) -> dict:
         return {"commit": self.commit, "tree": "temporary worktree" if self.name == "before" else str(self.tree),
                 **{f"median_{k}": statistics.median(r[k] for r in self.runs)
-                   for k in ("api_us_per_token", "client_us_per_token", "tokens_per_chunk")},
+                   for k in ("api_us_per_token", "busiest_us_per_token", "client_us_per_token", "tokens_per_chunk",
+                             "output_throughput")},
                 "runs": self.runs}
 
 
@@ -106,6 +118,8 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="the commit to measure as before (default: the merge-base of "
                     "HEAD with main)")
     ap.add_argument("--sides", default="before,after", help="before, after, or both")
+    ap.add_argument("--api-servers", default=None, help="A,B: instead of before and after, this tree with "
+                    "--api-servers A against --api-servers B")
     ap.add_argument("--model", default="synthetic:qwen2.5-0.5b", help="its tokenizer and context (a synthetic "
                     "one has no tokenizer: no detokenizing)")
     ap.add_argument("--concurrency", type=int, default=128)
@@ -129,6 +143,12 @@ def main() -> None:
     made: list[Side] = []
     worktree = None
     try:
+        if args.api_servers:
+            head_commit = head + ("+changes" if dirty else "")
+            for n in args.api_servers.split(","):
+                made.append(Side(f"api-servers={n}", ROOT, head_commit, args, tmp / f"api{n}.log",
+                                 ("--api-servers", n)))
+            sides = []
         if "before" in sides:
             rev = args.before or git("merge-base", "HEAD", "main")
             commit = git("rev-parse", "--short", rev)
@@ -165,9 +185,10 @@ def main() -> None:
     line = "; ".join(f"{s.name} ({s.commit}) {result[s.name]['median_api_us_per_token']:.2f} us API CPU a token, "
                      f"client {result[s.name]['median_client_us_per_token']:.2f}" for s in made)
     if len(made) == 2:
-        result["ratio"] = round(result["after"]["median_api_us_per_token"]
-                                / result["before"]["median_api_us_per_token"], 3)
-        line += f"; after/before {result['ratio']:.3f}"
+        a, b = made
+        result["ratio"] = round(result[b.name]["median_api_us_per_token"]
+                                / result[a.name]["median_api_us_per_token"], 3)
+        line += f"; {b.name}/{a.name} {result['ratio']:.3f}"
     out.write_text(json.dumps(result, indent=1))
     print(line)
 

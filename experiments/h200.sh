@@ -34,8 +34,9 @@
 #                                    # profiled kernel by kernel) and with --per-token (every row per token), then
 #                                    # probes/prefill_floor.py (cold prompts of 2,048, 10,000 and 20,000 tokens
 #                                    # against their GEMMs + SDPA floor); JSON into RUNS
-#   RUNS=results/serve-pace bash experiments/h200.sh share   # the GPU alone against GPU + CPU (eta) with the CPU
-#                                    # backend's default threads, served, beside the engine offline (serve_pace.py)
+#   RUNS=results/serve-pace bash experiments/h200.sh share   # the client's ceiling, the engine offline, the GPU
+#                                    # alone served with 1 and 2 API processes, GPU + CPU (eta, the CPU backend's
+#                                    # default threads) with 2 (serve_pace.py)
 #   bash experiments/h200.sh tiles   # the tiled kernel's launch settings swept (probes/tiled_sweep.py), then
 #                                    # probes/prefill_floor.py and gpu_mixed_step.py (kernel by kernel), then the
 #                                    # GPU tests (their names as they pass: a cut run still says which did)
@@ -93,7 +94,8 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
            --out "$runs/gpu-mixed-step.json"
        run 330 gpu-tests python3 -m pytest -v -p no:logging -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ops.py ;;
     share) (lscpu; python3 -m mvllm.cli env --backends gpu=cuda,cpu=cpu) >"$logs/host.txt" 2>&1  # the host shared
-       run 480 serve-pace python3 experiments/serve_pace.py --stages offline,served,mixed --out "$runs/serve-pace.json" ;;
+       run 540 serve-pace python3 experiments/serve_pace.py --stages ceiling,offline,served:1,served:2,mixed:2 \
+           --out "$runs/serve-pace.json" ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
     b) bench 400 sweep-concurrency ;;

@@ -8,7 +8,7 @@ and the same requests served over HTTP (a burst, all sent at once), with CPU by 
 Stages (--stages, comma-separated): ceiling (bench --selftest's burst against the stub), offline
 (`LLM.generate` on the same requests, max_active as served), served (`mvllm serve --backends gpu=DEVICE`,
 gpu-only) and mixed (`gpu=DEVICE,cpu=cpu`, policy eta, with a profile measured first into --profile unless it
-exists). Requests: `--prompt` random tokens, `--output` tokens each, greedy, EOS ignored, lengths told.
+exists); served:N and mixed:N the same with `--api-servers N` (without :N, serve's default). Requests: `--prompt` random tokens, `--output` tokens each, greedy, EOS ignored, lengths told.
 served/offline output throughput and TPOT (offline: per request, from the engine's token times) are the
 figures; CPU by role is the share of one core each process used over the replay (from /proc, Linux).
 """
@@ -49,11 +49,21 @@ def children(pid: int) -> list[int]:
     return out
 
 
-class CpuByRole:
-    """CPU seconds of the server's API process and each backend worker between start() and stop()."""
+def descendants(pid: int) -> list[int]:
+    """Its children and theirs: the workers are the fork server's children."""
+    out = children(pid)
+    for child in list(out):
+        out += descendants(child)
+    return out
 
-    def __init__(self, server_pid: int):
-        self.roles = {"api": server_pid} | {f"worker-{pid}": pid for pid in children(server_pid)}
+
+class CpuByRole:
+    """The share of a core each of the server's processes used between start() and stop(): the API process, or
+    the core and each API process (`apis`: their pids, from /health), and each backend worker."""
+
+    def __init__(self, server_pid: int, apis: list[int] = ()):
+        self.roles = ({"core": server_pid} | {f"api-{i}": pid for i, pid in enumerate(apis)} if apis else
+                      {"api": server_pid}) | {f"worker-{pid}": pid for pid in descendants(server_pid) if pid not in apis}
 
     def start(self):
         self.t0, self.c0 = time.perf_counter(), {r: cpu_seconds(p) for r, p in self.roles.items()}
@@ -142,22 +152,26 @@ def offline(args, reqs) -> dict:
             "median_tpot_ms": 1000 * percentile(tpot, 50), "max_active": args.active}
 
 
-def served(args, reqs, backends: str, policy: str, profile: str | None, log: Path) -> dict:
+def served(args, reqs, backends: str, policy: str, profile: str | None, log: Path, apis: str | None) -> dict:
     cmd = ["--model", args.model, "--backends", backends, "--policy", policy]
     if profile:
         cmd += ["--profile", profile]
+    if apis:
+        cmd += ["--api-servers", apis]
     with ServerProcess(cmd, log) as server:
         server.wait_ready(900)
         warm = make_requests(args.active, args.prompt, 8, args.vocab, seed=1)
         generate(server.url, args.model, warm, 600.0, 1)
-        roles, occupancy = CpuByRole(server.proc.pid).start(), Occupancy(server.url).start()
+        pids = [int(p) for p in server.http.get(f"{server.url}/health").json().get("api_servers", {}).values()]
+        roles, occupancy = CpuByRole(server.proc.pid, pids).start(), Occupancy(server.url).start()
         records, duration, _, health = generate(server.url, args.model, reqs, 900.0, args.client_workers)
         cpu, mean_load = roles.stop(), occupancy.stop()
     s = summarize(records, duration)
     keys = ("completed", "failed", "duration", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "backend_requests")
     return {k: s[k] for k in keys} | {"client": summarize_client(records, health, s["median_ttft_ms"]),
-                                      "server_cpu": cpu, "mean_load": mean_load, "backends": backends, "policy": policy}
+                                      "server_cpu": cpu, "mean_load": mean_load, "backends": backends, "policy": policy,
+                                      "api_servers": max(len(pids), 1)}
 
 
 def main() -> None:
@@ -188,28 +202,28 @@ def main() -> None:
     for stage in args.stages.split(","):
         t = time.perf_counter()
         print(f"== {stage}", flush=True)
+        kind, _, apis = stage.partition(":")
+        log = out.with_suffix(f".{kind}{apis}.log")
         if stage == "ceiling":
             result[stage] = ceiling(args)
         elif stage == "offline":
             result[stage] = offline(args, reqs)
-        elif stage == "served":
-            result[stage] = served(args, reqs, gpu, "gpu-only", None, out.with_suffix(".served.log"))
-        elif stage == "mixed":
+        elif kind == "served":
+            result[stage] = served(args, reqs, gpu, "gpu-only", None, log, apis or None)
+        elif kind == "mixed":
             profile = args.profile or str(out.with_suffix(".profile.json"))
             if not Path(profile).is_file():
                 subprocess.run([sys.executable, "-m", "mvllm.cli", "profile", "--model", args.model, "--backends",
                                 f"{gpu},cpu=cpu", "--out", profile], check=True)
-            result[stage] = served(args, reqs, f"{gpu},cpu=cpu", "eta", profile,
-                                   out.with_suffix(".mixed.log"))
+            result[stage] = served(args, reqs, f"{gpu},cpu=cpu", "eta", profile, log, apis or None)
         else:
             raise SystemExit(f"unknown stage {stage!r}")
         result[stage]["stage_s"] = round(time.perf_counter() - t, 1)
         print(json.dumps(result[stage], indent=1, default=str)[:1500], flush=True)
         out.write_text(json.dumps(result, indent=1, default=str))
-    if "offline" in result and "served" in result:
-        for key in ("served", "mixed"):
-            if key in result:
-                result[f"{key}_over_offline"] = result[key]["output_throughput"] / result["offline"]["output_throughput"]
+    if "offline" in result:
+        for key in [k for k in result if k.partition(":")[0] in ("served", "mixed") and isinstance(result[k], dict)]:
+            result[f"{key}_over_offline"] = result[key]["output_throughput"] / result["offline"]["output_throughput"]
         print({k: v for k, v in result.items() if k.endswith("_over_offline")})
         out.write_text(json.dumps(result, indent=1, default=str))
 
