@@ -53,6 +53,7 @@ demo: install
 soak: install
 	$(BIN)/python tests/soak.py
 	$(BIN)/python tests/soak.py int8w int8w-invariant
+	$(BIN)/python tests/soak.py --api-servers 2
 
 bench-paper: install
 	$(BIN)/mvllm bench experiments/paper-8.toml

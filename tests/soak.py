@@ -2,7 +2,8 @@
 `mvllm serve` on a tiny model. Checks every completed stream's tokens against the same prompt served alone,
 that every backend's KV blocks are all free again, and the server's RSS growth. Run: `make soak`, or
 `python tests/soak.py BACKENDS NAME` for other backends (`make soak` runs float32, then int8w with
-batch_invariant=on as `python tests/soak.py int8w int8w-invariant`). Writes results/soak/soak.json (soak-int8w.json etc. for
+batch_invariant=on as `python tests/soak.py int8w int8w-invariant`, then float32 behind two API processes as
+`python tests/soak.py --api-servers 2`: the server's RSS is then the core's and theirs). Writes results/soak/soak.json (soak-int8w.json etc. for
 other backends), with the machine and the command."""
 
 from __future__ import annotations
@@ -86,21 +87,33 @@ def free_pools(url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
-def main(backends: str = BACKENDS, name: str = "soak") -> int:
+def wait_apis(url: str, apis: int, timeout: float = 60.0) -> None:
+    """Until every API process serves (the first one answers /health before the others are up)."""
+    deadline = time.monotonic() + timeout
+    while apis > 1 and len(httpx.get(f"{url}/health").json().get("api_servers", {})) < apis:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{apis} API processes did not start within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def main(backends: str = BACKENDS, name: str = "soak", apis: int = 1) -> int:
     out = Path("results/soak")
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(["--model", MODEL, "--backends", backends,
-                                "--policy", "round-robin", "--max-active", "16"], Path(tmp) / "server.log").start()
+        server = ServerProcess(["--model", MODEL, "--backends", backends, "--policy", "round-robin", "--max-active",
+                                "16", "--api-servers", str(apis)], Path(tmp) / "server.log").start()
         try:
             server.wait_ready(180)
+            wait_apis(server.url, apis)
             before_pools = free_pools(server.url)
             asyncio.run(soak(server.url))  # a first round warms allocators and caches before RSS is read
-            rss_before = rss_mb(server.proc.pid)
+            pids = [server.proc.pid, *httpx.get(f"{server.url}/health").json().get("api_servers", {}).values()]
+            rss_before = sum(map(rss_mb, pids))
             result = asyncio.run(soak(server.url))
             result["pools_before"], result["pools_after"] = before_pools, free_pools(server.url)
             result["server_rss_mb_before"] = round(rss_before, 1)
-            result["server_rss_mb_after"] = round(rss_mb(server.proc.pid), 1)
+            result["server_rss_mb_after"] = round(sum(map(rss_mb, pids)), 1)
+            result["api_servers"] = apis
             result["health"] = httpx.get(f"{server.url}/health").status_code
         finally:
             server.stop()
@@ -108,6 +121,7 @@ def main(backends: str = BACKENDS, name: str = "soak") -> int:
     result.update(server_rss_growth_mb=round(growth, 1), model=MODEL, cpu=cpu_name(), python=platform.python_version(),
                   git_commit=git_commit(), backends=backends,
                   command="make soak (python tests/soak.py)" if name == "soak" else
+                  f"make soak (python tests/soak.py --api-servers {apis})" if apis > 1 else
                   "make soak (python tests/soak.py int8w int8w-invariant)" if name == "soak-int8w-invariant" else
                   f"python tests/soak.py {'int8w' if backends == INT8W else backends} {name.removeprefix('soak-')}")
     ok = (result["failed"] == 0 and result["wrong_tokens"] == 0 and result["pools_after"] == result["pools_before"]
@@ -119,6 +133,8 @@ def main(backends: str = BACKENDS, name: str = "soak") -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--api-servers"]:
+        sys.exit(main(BACKENDS, f"soak-api-servers-{sys.argv[2]}", int(sys.argv[2])))
     if len(sys.argv) > 1:
         backends = INT8W if sys.argv[1] == "int8w" else sys.argv[1]
         sys.exit(main(backends, f"soak-{sys.argv[2] if len(sys.argv) > 2 else 'other'}"))
