@@ -17,7 +17,15 @@ from pathlib import Path
 import torch
 
 from mvllm import knobs, machine
-from mvllm.backends.spec import NULL_STEP_MS, BackendSpec, is_cuda, parse_backends, share_cores
+from mvllm.backends.spec import (
+    NULL_STEP_MS,
+    BackendSpec,
+    api_servers,
+    api_servers_why,
+    is_cuda,
+    parse_backends,
+    share_cores,
+)
 from mvllm.model.config import ModelConfig
 from mvllm.model.presets import DEFAULT_MODEL, PRESETS
 
@@ -172,8 +180,10 @@ def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None)
 def collect(backends: str) -> dict:
     specs = parse_backends(backends)
     threads = share_cores(specs)
+    apis, why = api_servers(specs), api_servers_why(specs)
     return {"platform": platform.platform(), "python": platform.python_version(), "build": machine.build_facts(),
             "compute_cores": machine.compute_cores()[1], "threads": threads, "devices": devices(),
+            "api_servers": apis, "api_servers_why": why,
             "backends_spec": backends,
             "backends": {s.name: backend_facts(s) for s in specs}, "knobs": knobs.set_now()}
 
@@ -188,6 +198,8 @@ def render(facts: dict) -> str:
              f"cores         {facts['compute_cores']} to compute on"]
     if facts.get("threads"):
         lines.append(f"threads       {facts['threads']}")
+    if facts.get("api_servers"):
+        lines.append(f"api servers   {facts['api_servers']} ({facts['api_servers_why']}; serve --api-servers N)")
     lines += [f"device        {name}: {what}" for name, what in facts["devices"].items()]
     lines.append(f"backends      {facts['backends_spec']}")
     for name, f in facts["backends"].items():

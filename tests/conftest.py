@@ -22,6 +22,19 @@ if not torch.cuda.is_available():
 # thread made SmolLM2 steps ~10x slower.
 torch.set_num_threads(1)
 
+# MVLLM_TEST_API_SERVERS=N: every server a test starts runs N API processes (the reliability tests, run so by hand:
+# docs/serving.md); a test that names --api-servers itself keeps its own
+if os.environ.get("MVLLM_TEST_API_SERVERS"):
+    from mvllm.bench import process as _process
+
+    _init = _process.ServerProcess.__init__
+
+    def _with_apis(self, args, *rest, **kw):
+        extra = [] if "--api-servers" in args else ["--api-servers", os.environ["MVLLM_TEST_API_SERVERS"]]
+        _init(self, [*args, *extra], *rest, **kw)
+
+    _process.ServerProcess.__init__ = _with_apis
+
 # The tests' HTTP calls to the servers they start (httpx.get's own client per call made a 20 ms poll take a core)
 http_client = local_client()
 

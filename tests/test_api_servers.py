@@ -15,7 +15,7 @@ import pytest
 from conftest import http_client, wait_for
 from test_shutdown import children, gone, stream
 
-from mvllm.backends.spec import BackendSpec, api_servers, share_cores
+from mvllm.backends.spec import BackendSpec, api_servers, api_servers_why, share_cores
 from mvllm.bench.process import ServerProcess
 
 MODEL = "synthetic:tiny-llama"
@@ -159,8 +159,9 @@ def test_how_many_api_processes_and_the_cores_they_leave(monkeypatch):
     assert api_servers([gpu, cpu]) == 2 and api_servers([cpu]) == 1 and api_servers([gpu, cpu], 3) == 3
     why = share_cores([gpu, cpu])
     assert cpu.threads == 16 - 1 - 3 and "2 API processes and the core" in why  # GPU worker, 2 APIs, the core
+    assert "one per 8 logical CPUs" in api_servers_why([gpu, cpu]) and api_servers_why([cpu]) == "no local GPU backend"
     monkeypatch.setattr(machine, "system", lambda: "darwin")
-    assert api_servers([gpu, cpu]) == 1
+    assert api_servers([gpu, cpu]) == 1 and api_servers_why([gpu, cpu]) == "macOS"
 
 
 def test_api_servers_below_one_is_refused_in_one_line():

@@ -290,10 +290,22 @@ def api_servers(specs: list[BackendSpec], asked: int | None = None) -> int:
     backend runs: there a CPU backend's steps, not the API, set the pace, and the cores are its."""
     if asked is not None:
         return asked
-    gpus = [s for s in specs if not s.remote and not s.null and s.device != "cpu"]
-    if not gpus or machine.system() == "darwin":
+    if machine.system() == "darwin" or not local_gpu(specs):
         return 1
     return max(1, min(MAX_API, machine.logical_cpus() // CORES_PER_API))
+
+
+def local_gpu(specs: list[BackendSpec]) -> bool:
+    return any(not s.remote and not s.null and s.device != "cpu" for s in specs)
+
+
+def api_servers_why(specs: list[BackendSpec]) -> str:
+    """Why api_servers' default is what it is, in a few words."""
+    if machine.system() == "darwin":
+        return "macOS"
+    if not local_gpu(specs):
+        return "no local GPU backend"
+    return f"beside a GPU backend, one per {CORES_PER_API} logical CPUs, at most {MAX_API}"
 
 
 def serving_processes(apis: int) -> int:
