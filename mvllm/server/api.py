@@ -18,8 +18,7 @@ import uvicorn
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 from mvllm.server.cluster import Stream, push_all
-from mvllm.server.core import port_socket
-from mvllm.server.wire import frame, raise_error, read_frame
+from mvllm.server.wire import frame, port_socket, raise_error, read_frame
 
 GONE = "the server's core process stopped"
 

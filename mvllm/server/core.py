@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -30,22 +29,6 @@ from mvllm.server.cluster import Cluster, Stream
 from mvllm.server.wire import CALLS, error_value, frame, read_frame
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def port_socket(host: str, port: int, listen: bool) -> socket.socket:
-    """A socket bound to host:port with SO_REUSEPORT, so that several bind it; listening, or only holding it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise MvllmError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    if listen:
-        sock.listen(2048)
-    return sock
 
 
 class Proxy(Stream):

@@ -156,7 +156,8 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
 def serve_apart(cluster: Cluster, apis: int, host: str, port: int, model: str, source, prefix: list[int] | None,
                 ready_timeout: float, shutdown_timeout: float, ready_line: str) -> None:
     """This process as the core, `apis` API processes serving HTTP (server/core.py)."""
-    from mvllm.server.core import Core, port_socket
+    from mvllm.server.core import Core
+    from mvllm.server.wire import port_socket
 
     sock = port_socket(host, port, listen=False)  # holds the port; the API processes listen on it
     start = dict(host=host, port=port, model=model, vocab_size=source.config.vocab_size,

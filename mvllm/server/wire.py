@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import socket
 import struct
 
 from mvllm.errors import InvalidRequestError, MvllmError
@@ -49,3 +50,19 @@ def raise_error(value: tuple[str, str, str | None]) -> None:
 
         raise ShuttingDownError(message)
     raise MvllmError(message)
+
+
+def port_socket(host: str, port: int, listen: bool) -> socket.socket:
+    """A socket bound to host:port with SO_REUSEPORT, so that several bind it; listening, or only holding it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MvllmError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    if listen:
+        sock.listen(2048)
+    return sock
