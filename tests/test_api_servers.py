@@ -124,6 +124,7 @@ def test_an_api_process_that_dies_frees_its_requests_and_another_takes_its_place
     assert all(g == ("1", 150, True) for g in ok), ok  # the other process's streams ran to their end
     wait_for(lambda: load(server) == {"gpu": (0, 0), "cpu": (0, 0)}, 10, 0.05, lambda: str(load(server)))
     wait_for(lambda: health(server).get("api_servers", {}).get("0") not in (None, pids["0"]), 60, 0.2)
+    wait_for(lambda: http_client.get(f"{server.url}/health").status_code == 200, 60, 0.1)  # 503 until it serves
     wait_for(lambda: "0" in {g[0] for g in asyncio.run(streams(server.url, 8, 3))}, 60, 0.5)  # the new one serves
     assert "API process 0 exited; starting another" in server.log.read_text()
 

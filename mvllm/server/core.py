@@ -96,6 +96,7 @@ class Core:
         self.procs: dict[int, object] = {}
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
+        self.started = False  # every API process served once
         self.path = Path(tempfile.mkdtemp(prefix="mvllm-core-")) / "core.sock"
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -155,11 +156,22 @@ class Core:
             if method not in CALLS:
                 raise MvllmError(f"no call {method!r}")
             value = await getattr(self.cluster, method)(*args)
-            if method == "health":  # which process is which API process
-                value[1]["api_servers"] = {i: p.pid for i, p in sorted(self.procs.items())}
+            if method == "health":
+                value = self.health(*value)
             link.send(("reply", call_id, True, value))
         except Exception as e:  # noqa: BLE001
             link.send(("reply", call_id, False, error_value(e)))
+
+    def health(self, code: int, body: dict) -> tuple[int, dict]:
+        """/health with the API processes: their process ids; 503 until every one serves (at start, or while one
+        that died is started again)."""
+        body["api_servers"] = {i: p.pid for i, p in sorted(self.procs.items())}
+        down = sorted(set(range(self.count)) - set(self.links))
+        if down:
+            body["status"] = "starting" if not self.started else "degraded"
+            body["api_servers_down"] = down
+            code = 503
+        return code, body
 
     def lost(self, link: Link) -> None:
         """An API process is gone: its requests are aborted (their blocks return to the pool); unless the
@@ -208,6 +220,7 @@ class Core:
                 if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs.values()):
                     raise MvllmError(f"only {len(self.links)} of {self.count} API processes started")
                 await asyncio.sleep(0.05)
+            self.started = True
             if not stop.is_set():
                 self.console.print(ready_line)
             await stop.wait()
