@@ -1,12 +1,12 @@
 """`serve --api-servers N`, N > 1: this process is the core, and N API processes serve HTTP.
 
-The core keeps what must be one: the backends, the router, the prefix index its KV events feed, and the metrics.
-It serves no HTTP. The N API processes (server/api.py) listen on one port, each on its own socket (SO_REUSEPORT:
-the kernel spreads the connections evenly; one shared socket let whichever process woke first take a burst of them
-all); the core holds the port with a socket that does not listen, so a restarted API process gets it back. Each parses, tokenizes, detokenizes and writes its own
-requests' server-sent events. Between them, one Unix socket per API process (server/wire.py): an API process sends
-its requests and its calls; the core sends it, once per turn of its loop (once per engine step under load), one
-message with the new tokens of that process's requests only.
+The core keeps what must be one: the backends, the router, the prefix index its KV events feed, and the metrics. It
+serves no HTTP. The N API processes (server/api.py) listen on one port, each on its own socket (SO_REUSEPORT: the
+kernel spreads the connections evenly; one shared socket let whichever process woke first take a burst of them
+all); the core holds the port with a socket that does not listen, so a restarted API process gets it back. Each
+parses, tokenizes, detokenizes and writes its own requests' server-sent events. Between them, one Unix socket per
+API process (server/wire.py): an API process sends its requests and its calls; the core sends it, once per turn of
+its loop (once per engine step under load), one message with the new tokens of that process's requests only.
 
 An API process that dies takes its requests with it: the core aborts them on their backends (their KV blocks
 return to the pool) and starts another in its place. SIGTERM or Ctrl-C drain as with one process: no new requests

@@ -2,7 +2,7 @@
 length and a pickled list of messages, so whatever one side has to say in one turn of its loop goes in one write.
 
 API process -> core:
-    ("submit", call_id, token_ids, params, arrival, prefix)  route and submit a request (params: SamplingParams' fields)
+    ("submit", call_id, token_ids, params, arrival, prefix)  route and submit a request (params: SamplingParams')
     ("leave", rid, done)                                     its response is over (not done: abort it)
     ("observe", backend, prompt, cached, generated, ttft, e2e)  a finished request, for /metrics
     ("call", call_id, method, args)                          one of CALLS, answered by a reply
