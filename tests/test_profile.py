@@ -174,14 +174,18 @@ def test_profile_measures_each_backend_with_the_threads_serve_gives_it(monkeypat
     specs = parse_backends("gpu=cpu,cpu=cpu,x=cpu/threads=3", check_devices=False)
     share_cores(specs)
     assert [s.threads for s in specs] == [8, 8, 3]
-    # beside a GPU: a core each to its worker and the API process, and under bench one to the client
+    # beside a GPU: a core each to its worker, the 2 API processes and the core (serve's default on 16 CPUs), and
+    # under bench one to the client; with one API process, a core to it
     specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
-    assert "less 1 GPU worker(s), the API process" in share_cores(specs)
+    assert "less 1 GPU worker(s), 2 API processes and the core" in share_cores(specs)
+    assert [s.threads for s in specs] == [1, 12]
+    specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
+    assert "less 1 GPU worker(s), the API process" in share_cores(specs, apis=1)
     assert [s.threads for s in specs] == [1, 14]
     specs = parse_backends("gpu=cuda,cpu=cpu", check_devices=False)
-    assert share_cores(specs, client=True).startswith("13 a CPU backend")
+    assert share_cores(specs, client=True).startswith("11 a CPU backend")
     assert with_threads("gpu=cuda,cpu=cpu,x=cpu/threads=3", client=True) == \
-        "gpu=cuda,cpu=cpu/threads=13,x=cpu/threads=3"  # the one without a count written in
+        "gpu=cuda,cpu=cpu/threads=11,x=cpu/threads=3"  # the one without a count written in
     with monkeypatch.context() as m:  # an M2: its 4 performance cores of 8, one left to the MPS worker; the API
         m.setattr(machine, "system", lambda: "darwin")  # process and the client have the efficiency cores
         m.setattr(machine, "arch", lambda: "arm64")

@@ -17,6 +17,7 @@ process is told to exit, and the core stops the workers.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import tempfile
 import time
@@ -234,6 +235,7 @@ class Core:
                 link.flush()
             await self.loop.run_in_executor(None, self.join)
             server.close()
+            shutil.rmtree(self.path.parent, ignore_errors=True)
             for sig in SIGNALS:
                 self.loop.remove_signal_handler(sig)
 
