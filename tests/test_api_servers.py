@@ -98,6 +98,20 @@ def test_bad_input_gets_a_400_from_every_api_process(server):
     assert seen == {"0", "1"}
 
 
+def test_the_cores_endpoints_answer_from_every_api_process(server):
+    seen = set()
+    for _ in range(8):  # a connection each
+        with httpx.Client() as c:
+            warm = c.post(f"{server.url}/v1/warm", json={"prompt": [1, 2, 3, 4]})
+            reset = c.post(f"{server.url}/reset_prefix_cache")
+            snaps = c.get(f"{server.url}/v1/backends").json()
+        assert warm.status_code == 200 and set(warm.json()["cached_tokens"]) == {"gpu", "cpu"}
+        assert reset.json() == {"reset": ["cpu", "gpu"]}
+        assert [b["name"] for b in snaps] == ["gpu", "cpu"] and all(b["alive"] for b in snaps)
+        seen |= {warm.headers["x-mvllm-api-server"], reset.headers["x-mvllm-api-server"]}
+    assert seen == {"0", "1"}
+
+
 def test_a_client_that_hangs_up_frees_its_request(server):
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "stream": True}
     with httpx.Client() as c, c.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
