@@ -136,14 +136,14 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
             console.print(f"[red]error:[/red] {why}; serving without backend {name}", highlight=False)
         names = ", ".join(f"{s.name}={s.device}" + (f" ready in {ready[s.name]} s" if ready.get(s.name) else "")
                           for s in specs if s.name not in cluster.start_errors)
-        line = f"mvllm: serving {model} on http://{host}:{port} (backends {names}; policy {policy}"
+        where = f"(backends {names}; policy {policy}"
         if apis > 1:
             serve_apart(cluster, apis, host, port, model, source, tokenizer.encode(prefix) if prefix else None,
-                        ready_timeout, shutdown_timeout, line + f"; {apis} API processes)")
+                        ready_timeout, shutdown_timeout, where + f"; {apis} API processes)")
         else:
             app = build_app(cluster, tokenizer, model, source.config.vocab_size, prefix,
                             source.config.max_position)
-            console.print(line + ")")
+            console.print(f"mvllm: serving {model} on http://{host}:{port} {where})")
             logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
             config = uvicorn.Config(direct_send(app), host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=5, timeout_keep_alive=30)
@@ -154,12 +154,15 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
 
 
 def serve_apart(cluster: Cluster, apis: int, host: str, port: int, model: str, source, prefix: list[int] | None,
-                ready_timeout: float, shutdown_timeout: float, ready_line: str) -> None:
-    """This process as the core, `apis` API processes serving HTTP (server/core.py)."""
+                ready_timeout: float, shutdown_timeout: float, where: str) -> None:
+    """This process as the core, `apis` API processes serving HTTP (server/core.py); `where`: the end of the
+    ready line."""
     from mvllm.server.core import Core
     from mvllm.server.wire import port_socket
 
     sock = port_socket(host, port, listen=False)  # holds the port; the API processes listen on it
+    port = sock.getsockname()[1]  # port 0: the one the system gave
+    ready_line = f"mvllm: serving {model} on http://{host}:{port} {where}"
     start = dict(host=host, port=port, model=model, vocab_size=source.config.vocab_size,
                  context=source.config.max_position, snapshots=cluster.snapshots, names=list(cluster.backends))
     core = Core(cluster, apis, start, console)
