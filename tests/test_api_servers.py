@@ -112,6 +112,16 @@ def test_the_cores_endpoints_answer_from_every_api_process(server):
     assert seen == {"0", "1"}
 
 
+def test_a_second_server_on_the_same_port_is_refused_in_one_line(server):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mvllm.cli", "serve", "--model", MODEL, "--backends", "gpu=null",
+                           "--api-servers", "2", "--port", str(server.port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "cannot listen on 127.0.0.1" in done.stderr + done.stdout, done.stderr
+    assert http_client.get(f"{server.url}/health").status_code == 200  # the first one still serves, alone
+
+
 def test_a_client_that_hangs_up_frees_its_request(server):
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "stream": True}
     with httpx.Client() as c, c.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:

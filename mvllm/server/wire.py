@@ -53,16 +53,30 @@ def raise_error(value: tuple[str, str, str | None]) -> None:
 
 
 def port_socket(host: str, port: int, listen: bool) -> socket.socket:
-    """A socket bound to host:port with SO_REUSEPORT, so that several bind it; listening, or only holding it."""
+    """A socket bound to host:port with SO_REUSEPORT, so that several bind it; listening (an API process's), or
+    only holding the port (the core's: that one first checks that nothing holds it yet, or a second server started
+    on the same port would share the first one's connections)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if not listen:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:  # no SO_REUSEPORT: fails where any socket is bound
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _bind(probe, host, port)
+            port = probe.getsockname()[1]  # port 0: the one the system gave
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, port))
-    except OSError as e:
+        _bind(sock, host, port)
+    except MvllmError:
         sock.close()
-        raise MvllmError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise
     if listen:
         sock.listen(2048)
     return sock
+
+
+def _bind(sock: socket.socket, host: str, port: int) -> None:
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise MvllmError(f"cannot listen on {host}:{port}: {e.strerror}") from None
