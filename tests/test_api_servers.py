@@ -197,3 +197,20 @@ def test_api_servers_below_one_is_refused_in_one_line():
     result = CliRunner().invoke(app, ["serve", "--model", MODEL, "--backends", NULLS, "--api-servers", "0"])
     assert result.exit_code == 2 and "--api-servers must be at least 1" in result.output
     assert "Traceback" not in result.output
+
+
+def test_an_api_process_that_exits_before_it_serves_stops_the_server():
+    from types import SimpleNamespace
+
+    from mvllm.server.core import Core
+
+    said: list[str] = []
+    core = Core(None, 2, {}, SimpleNamespace(print=lambda line, **_: said.append(line)))
+
+    async def go():
+        core.stop = asyncio.Event()
+        core.procs[1] = SimpleNamespace(exitcode=1)  # started again, and gone before its hello
+        await asyncio.wait_for(core.watch(1), 5)
+
+    asyncio.run(go())
+    assert core.stop.is_set() and "API process 1 exited before it served (exit code 1)" in said[0]

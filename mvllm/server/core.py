@@ -95,10 +95,11 @@ class Core:
         self.cluster, self.count, self.start_args, self.console = cluster, count, start_args, console
         self.links: dict[int, Link] = {}
         self.procs: dict[int, object] = {}
+        self.stop: asyncio.Event | None = None
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
         self.started = False  # every API process served once
-        self.path = Path(tempfile.mkdtemp(prefix="mvllm-core-")) / "core.sock"
+        self.path: Path | None = None  # the Unix socket the API processes connect to, made by run
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start_api(self, index: int) -> None:
@@ -183,20 +184,35 @@ class Core:
         if link.index is None or self.links.get(link.index) is not link:
             return
         del self.links[link.index]
-        if not self.stopping:
-            self.console.print(f"[yellow]warning:[/yellow] API process {link.index} exited; starting another",
-                               highlight=False)
-            self.procs[link.index].join(0)
-            self.start_api(link.index)
+        if self.stopping:
+            return
+        self.procs[link.index].join(0)
+        self.console.print(f"[yellow]warning:[/yellow] API process {link.index} exited; starting another",
+                           highlight=False)
+        self.start_api(link.index)
+        spawn(self.tasks, self.watch(link.index), f"start API process {link.index}", self.loop)
+
+    async def watch(self, index: int) -> None:
+        """An API process started again that exits before it serves cannot serve: the server stops (starting it
+        again would only loop)."""
+        proc = self.procs[index]
+        while index not in self.links:
+            if proc.exitcode is not None:
+                self.console.print(f"[red]error:[/red] API process {index} exited before it served (exit code "
+                                   f"{proc.exitcode}); stopping", highlight=False)
+                self.stop.set()
+                return
+            await asyncio.sleep(0.1)
 
     async def run(self, warm_prefix: list[int] | None, ready_timeout: float, shutdown_timeout: float,
                   ready_line: str) -> None:
         self.loop = asyncio.get_running_loop()
+        self.path = Path(tempfile.mkdtemp(prefix="mvllm-core-")) / "core.sock"
         self.cluster.start(self.loop)
         if warm_prefix:
             await self.cluster.warm(warm_prefix)
         server = await asyncio.start_unix_server(self.connected, str(self.path))
-        stop = asyncio.Event()
+        stop = self.stop = asyncio.Event()
         signals, main = [], asyncio.current_task()
 
         def on_signal(sig: int) -> None:
