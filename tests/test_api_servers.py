@@ -214,3 +214,15 @@ def test_an_api_process_that_exits_before_it_serves_stops_the_server():
 
     asyncio.run(go())
     assert core.stop.is_set() and "API process 1 exited before it served (exit code 1)" in said[0]
+
+
+def test_api_processes_do_not_outlive_a_killed_core(tmp_path):
+    server = start(tmp_path)
+    try:
+        pids = list(health(server)["api_servers"].values())
+        assert len(pids) == 2 and set(pids) <= set(children(server.proc.pid))
+        server.proc.kill()
+        server.proc.wait(10)
+        wait_for(lambda: gone(pids), 30, 0.05, lambda: f"API processes {pids} still running")
+    finally:
+        server.stop()
