@@ -13,12 +13,12 @@ import threading
 import httpx
 import pytest
 from conftest import http_client, wait_for
-from test_shutdown import children, gone, stream
+from test_shutdown import TINY, children, drains_on_sigterm, gone
 
-from mvllm.backends.spec import BackendSpec, api_servers, api_servers_why, share_cores
+from mvllm.backends.spec import BackendSpec, api_servers, share_cores
 from mvllm.bench.process import ServerProcess
 
-MODEL = "synthetic:tiny-llama"
+MODEL = TINY
 NULLS = "gpu=null/step_ms=20/max_active=64,cpu=null/step_ms=20/max_active=64"
 
 
@@ -157,19 +157,7 @@ def test_sigterm_drains_every_api_process_then_exits_zero(tmp_path):
     server = start(tmp_path, "--shutdown-timeout", "1")
     try:
         procs = children(server.proc.pid)
-        chunks: list[str] = []
-        started = threading.Event()
-        reader = threading.Thread(target=stream, args=(server.url, 2000, chunks, started))
-        reader.start()
-        assert started.wait(60)
-        server.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)
-        late = http_client.post(f"{server.url}/v1/completions", timeout=10,
-                                json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
-        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
-        reader.join(30)
-        assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "abort"
-        assert server.proc.wait(30) == 0
+        drains_on_sigterm(server)
         wait_for(lambda: gone(procs), 60, 0.05, lambda: f"processes {procs} still running")
     finally:
         server.stop()
@@ -181,12 +169,13 @@ def test_how_many_api_processes_and_the_cores_they_leave(monkeypatch):
     gpu, cpu = BackendSpec("gpu", "cuda"), BackendSpec("cpu", "cpu")
     monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
     monkeypatch.setattr(machine, "compute_cores", lambda: (16, "16 logical CPUs"))
-    assert api_servers([gpu, cpu]) == 2 and api_servers([cpu]) == 1 and api_servers([gpu, cpu], 3) == 3
+    assert api_servers([gpu, cpu])[0] == 2 and api_servers([cpu]) == (1, "no local GPU backend")
+    assert api_servers([gpu, cpu], 3) == (3, "--api-servers")
     why = share_cores([gpu, cpu])
     assert cpu.threads == 16 - 1 - 3 and "2 API processes and the core" in why  # GPU worker, 2 APIs, the core
-    assert "one per 8 logical CPUs" in api_servers_why([gpu, cpu]) and api_servers_why([cpu]) == "no local GPU backend"
+    assert "one per 8 logical CPUs" in api_servers([gpu, cpu])[1]
     monkeypatch.setattr(machine, "system", lambda: "darwin")
-    assert api_servers([gpu, cpu]) == 1 and api_servers_why([gpu, cpu]) == "macOS"
+    assert api_servers([gpu, cpu]) == (1, "macOS")
 
 
 def test_api_servers_below_one_is_refused_in_one_line():

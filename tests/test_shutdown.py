@@ -52,6 +52,25 @@ def stream(url: str, max_tokens: int, out: list, started: threading.Event) -> No
                 started.set()
 
 
+def drains_on_sigterm(server: ServerProcess) -> None:
+    """SIGTERM while a long stream runs: a late request gets a 503, the stream ends with an "abort" chunk and
+    [DONE], and the server exits 0."""
+    chunks: list[str] = []
+    started = threading.Event()
+    reader = threading.Thread(target=stream, args=(server.url, 2000, chunks, started))
+    reader.start()
+    assert started.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)  # SIGTERM was handled
+    late = http_client.post(f"{server.url}/v1/completions", timeout=10,
+                            json={"model": TINY, "prompt": [1, 2], "max_tokens": 2})
+    assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    reader.join(30)
+    assert not reader.is_alive()
+    assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "abort"
+    assert server.proc.wait(30) == 0
+
+
 def test_sigterm_drains_then_exits_zero(tmp_path):
     # null backends (tokens every 20 ms, no model): a stream outlasts the 1 s timeout, and the server starts in
     # seconds where two SmolLM2-shaped workers took 13-50 s
@@ -60,22 +79,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     try:
         workers = children(server.proc.pid)
         assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
-        chunks: list[str] = []
-        started = threading.Event()
-        reader = threading.Thread(target=stream, args=(server.url, 2000, chunks, started))
-        reader.start()
-        assert started.wait(60)
-        server.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: "taking no new requests" in server.log.read_text(), 60, 0.02)  # SIGTERM was handled
-        late = http_client.post(f"{server.url}/v1/completions", timeout=10,
-                          json={"model": TINY, "prompt": [1, 2], "max_tokens": 2})
-        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
-        reader.join(30)
-        assert not reader.is_alive()
-        assert chunks[-1] == "[DONE]"
-        last = json.loads(chunks[-2])["choices"][0]
-        assert last["finish_reason"] == "abort"
-        assert server.proc.wait(30) == 0
+        drains_on_sigterm(server)
         wait_for(lambda: gone(workers), 60, 0.05, lambda: f"workers {workers} still running")
         log = server.log.read_text()
         assert "aborted 1 request(s)" in log and "mvllm: stopped" in log

@@ -284,33 +284,18 @@ CORES_PER_API = 8  # beside a GPU backend, one API process per this many logical
 MAX_API = 4
 
 
-def api_servers(specs: list[BackendSpec], asked: int | None = None) -> int:
-    """How many API processes `serve` runs: `asked` (--api-servers), else one, or beside a local GPU backend one
-    per CORES_PER_API logical CPUs, at most MAX_API (2 on a 16-core GPU host). One on macOS, and where no GPU
-    backend runs: there a CPU backend's steps, not the API, set the pace, and the cores are its."""
+def api_servers(specs: list[BackendSpec], asked: int | None = None) -> tuple[int, str]:
+    """How many API processes `serve` runs, and why: `asked` (--api-servers), else one, or beside a local GPU
+    backend one per CORES_PER_API logical CPUs, at most MAX_API (2 on a 16-core GPU host). One on macOS, and where
+    no GPU backend runs: there a CPU backend's steps, not the API, set the pace, and the cores are its."""
     if asked is not None:
-        return asked
-    if machine.system() == "darwin" or not local_gpu(specs):
-        return 1
-    return max(1, min(MAX_API, machine.logical_cpus() // CORES_PER_API))
-
-
-def local_gpu(specs: list[BackendSpec]) -> bool:
-    return any(not s.remote and not s.null and s.device != "cpu" for s in specs)
-
-
-def api_servers_why(specs: list[BackendSpec]) -> str:
-    """Why api_servers' default is what it is, in a few words."""
+        return asked, "--api-servers"
     if machine.system() == "darwin":
-        return "macOS"
-    if not local_gpu(specs):
-        return "no local GPU backend"
-    return f"beside a GPU backend, one per {CORES_PER_API} logical CPUs, at most {MAX_API}"
-
-
-def serving_processes(apis: int) -> int:
-    """The server's processes beside its backends' workers: one, or N API processes and the core."""
-    return 1 if apis == 1 else apis + 1
+        return 1, "macOS"
+    if not any(not s.remote and not s.null and s.device != "cpu" for s in specs):
+        return 1, "no local GPU backend"
+    return (max(1, min(MAX_API, machine.logical_cpus() // CORES_PER_API)),
+            f"beside a GPU backend, one per {CORES_PER_API} logical CPUs, at most {MAX_API}")
 
 
 def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None = None) -> str:
@@ -329,8 +314,8 @@ def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
     gpus = len(local) - len([s for s in local if s.device == "cpu"])
     cores, what = machine.compute_cores()
-    apis = api_servers(specs) if apis is None else apis
-    serving = (serving_processes(apis) + client) if gpus else 0
+    apis = api_servers(specs)[0] if apis is None else apis
+    serving = (apis + (apis > 1) + client) if gpus else 0  # N > 1 API processes have a core beside them
     elsewhere = max(0, machine.logical_cpus() - cores)  # cores no CPU backend computes on
     left = cores - gpus - max(0, serving - elsewhere)
     for s in cpu:

@@ -17,8 +17,8 @@ import uvicorn
 
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
-from mvllm.server.cluster import Stream, push_all
-from mvllm.server.wire import frame, port_socket, raise_error, read_frame
+from mvllm.server.cluster import Pushes, Stream
+from mvllm.server.wire import Outbox, port_socket, raise_error, read_frame
 
 GONE = "the server's core process stopped"
 
@@ -30,24 +30,21 @@ class CoreLink:
         self.index, self.path, self.snapshots, self.backend_names = index, path, snapshots, names
         self.streams: dict[str, Stream] = {}
         self.pending: dict[int, asyncio.Future] = {}
-        self.submits: set[int] = set()  # the calls among them that submit a request
         self.calls = itertools.count()
-        self.out: list = []
-        self.due = False
-        self.pushes: list[Stream] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pushes = Pushes()
+        self.outbox: Outbox | None = None
         self.ready: asyncio.Future | None = None
-        self.writer: asyncio.StreamWriter | None = None
         self.on_gone = lambda: None  # the server stops serving once the core has gone
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.ready = loop, loop.create_future()
+        self.pushes.loop, self.ready = loop, loop.create_future()
+        self.outbox = Outbox(loop)
         self.task = loop.create_task(self._run())
 
     async def _run(self) -> None:
         try:
-            reader, self.writer = await asyncio.open_unix_connection(self.path)
-            self.send(("hello", self.index))
+            reader, self.outbox.writer = await asyncio.open_unix_connection(self.path)
+            self.outbox.send(("hello", self.index))
             self.ready.set_result(None)
             while True:
                 for message in await read_frame(reader):
@@ -68,26 +65,26 @@ class CoreLink:
         kind = message[0]
         if kind == "tokens":
             self._tokens(message[1])
+        elif kind == "submitted":
+            _, call_id, rid, backend = message
+            self.streams[rid] = Stream()  # before any of its tokens: they follow this message
+            fut = self.pending.pop(call_id)
+            if fut.done():  # its client went away while it was routed
+                self.leave(rid, False)
+            else:
+                fut.set_result((rid, backend))
         elif kind == "reply":
             _, call_id, ok, value = message
             fut = self.pending.pop(call_id)
-            submitted = call_id in self.submits
-            self.submits.discard(call_id)
-            if not ok:
+            if fut.done():
+                return
+            if ok:
+                fut.set_result(value)
+            else:
                 try:
                     raise_error(value)
                 except MvllmError as e:
-                    if not fut.done():
-                        fut.set_exception(e)
-                return
-            if submitted:
-                rid = value[0]
-                self.streams[rid] = Stream()  # before any of its tokens: they follow the reply
-                if fut.done():  # its client went away while it was routed
-                    self.leave(rid, False)
-                    return
-            if not fut.done():
-                fut.set_result(value)
+                    fut.set_exception(e)
         elif kind == "exit":
             self.on_gone()
         else:
@@ -95,7 +92,7 @@ class CoreLink:
 
     def _tokens(self, batch: list[tuple]) -> None:
         """One message's news, in one loop, as Cluster._tokens delivers a step's tokens."""
-        streams, pushes = self.streams, self.pushes
+        streams, push = self.streams, self.pushes.add
         for rid, tokens, ended, reason, error, cached, backend in batch:
             stream = streams.get(rid)
             if stream is None or stream.ended:
@@ -107,72 +104,49 @@ class CoreLink:
             if tokens:
                 stream.tokens += tokens
                 if stream.push is not None:
-                    if not stream.pushing:
-                        if not pushes:
-                            self.loop.call_soon(self._push)
-                        stream.pushing = True
-                        pushes.append(stream)
+                    push(stream)
                 elif not ended:
                     stream.wake()
             if ended:
                 stream.end(reason, error)
 
-    def _push(self) -> None:
-        pushes, self.pushes = self.pushes, []
-        push_all(pushes)
-
-    def send(self, message: tuple) -> None:
-        self.out.append(message)
-        if not self.due:
-            self.due = True
-            self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self.due = False
-        if self.out and self.writer is not None and not self.writer.is_closing():
-            self.writer.write(frame(self.out))
-        self.out = []
-
-    async def _ask(self, message: tuple, submit: bool = False):
+    async def _ask(self, kind: str, *args):
+        """Send a call (its id first) and wait for its answer."""
         await self.ready
         call_id = next(self.calls)
-        fut = self.loop.create_future()
-        self.pending[call_id] = fut
-        if submit:
-            self.submits.add(call_id)
-        self.send((message[0], call_id, *message[1:]))
+        fut = self.pending[call_id] = self.ready.get_loop().create_future()
+        self.outbox.send((kind, call_id, *args))
         return await fut
 
     # what the app and its streams call
     async def submit(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
                      prefix: str = "cmpl") -> tuple[str, str]:
-        p = {f: getattr(params, f) for f in params.__slots__}
-        return await self._ask(("submit", token_ids, p, arrival, prefix), submit=True)
+        return await self._ask("submit", token_ids, params, arrival, prefix)
 
     def leave(self, rid: str, done: bool) -> None:
         self.streams.pop(rid, None)
-        self.send(("leave", rid, done))
+        self.outbox.send(("leave", rid, done))
 
     def observe_request(self, *args) -> None:
-        self.send(("observe", *args))
+        self.outbox.send(("observe", *args))
 
-    async def health(self):
-        return await self._ask(("call", "health", ()))
+    async def health(self) -> tuple[int, dict]:
+        return await self._ask("call", "health", ())
 
     async def render_metrics(self) -> bytes:
-        return await self._ask(("call", "render_metrics", ()))
+        return await self._ask("call", "render_metrics", ())
 
     async def snapshot_all(self) -> list[dict]:
-        return await self._ask(("call", "snapshot_all", ()))
+        return await self._ask("call", "snapshot_all", ())
 
     async def warm(self, token_ids: list[int], backend: str | None = None) -> dict[str, int]:
-        return await self._ask(("call", "warm", (token_ids, backend)))
+        return await self._ask("call", "warm", (token_ids, backend))
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
-        return await self._ask(("call", "reset_prefix_cache", ()))
+        return await self._ask("call", "reset_prefix_cache", ())
 
     async def set_policy(self, policy: str, slo: dict | None) -> str:
-        return await self._ask(("call", "set_policy", (policy, slo)))
+        return await self._ask("call", "set_policy", (policy, slo))
 
 
 def api_main(index: int, path: str, host: str, port: int, model: str, vocab_size: int, context: int,

@@ -85,14 +85,31 @@ class Stream:
         return tokens
 
 
-def push_all(pushes: list[Stream]) -> None:
-    """Push each stream's tokens (or wake its response, which no longer pushes)."""
-    for stream in pushes:
-        stream.pushing = False
-        if stream.push is not None:
-            stream.push()
-        else:
-            stream.wake()
+class Pushes:
+    """The streams with tokens to push once the messages already waiting on the loop are in: one callback writes
+    them all (a server that lags its backend merges several steps' tokens into one event a stream)."""
+
+    __slots__ = ("loop", "streams")
+
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.streams: list[Stream] = []
+
+    def add(self, stream: Stream) -> None:
+        if not stream.pushing:
+            if not self.streams:
+                self.loop.call_soon(self.run)
+            stream.pushing = True
+            self.streams.append(stream)
+
+    def run(self) -> None:
+        streams, self.streams = self.streams, []
+        for stream in streams:
+            stream.pushing = False
+            if stream.push is not None:
+                stream.push()
+            else:
+                stream.wake()  # its response no longer pushes: its task takes the tokens
 
 
 class Cluster:
@@ -117,7 +134,7 @@ class Cluster:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: set[asyncio.Task] = set()  # re-routes and restarts under way
-        self.pushes: list[Stream] = []  # streams with tokens to push once the steps in hand are in
+        self.pushes = Pushes()
         self.id_base, self.ids = secrets.token_hex(4), itertools.count()  # request ids: 16 hex digits
 
     def wait_ready(self, timeout: float) -> None:
@@ -138,7 +155,7 @@ class Cluster:
             raise MvllmError("no backend started: " + "; ".join(self.start_errors.values()))
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self.loop = self.pushes.loop = loop
         for backend in self.backends.values():
             if backend.name not in self.start_errors:
                 backend.listen(loop, self._on_event)
@@ -230,17 +247,13 @@ class Cluster:
     def _tokens(self, name: str, tokens: list[tuple[str, int, str | None]]) -> None:
         """One step's tokens, in one loop: each to its stream (a stream waiting for one wakes once; one that pushes
         does once the steps in hand are in), the router's bookkeeping in one call for the step."""
-        streams, unstarted, ended, pushes = self.streams, self.unstarted, [], self.pushes
+        streams, unstarted, ended, push = self.streams, self.unstarted, [], self.pushes.add
         for rid, token, reason in tokens:
             stream = streams.get(rid)
             if stream is not None and not stream.ended:
                 stream.tokens.append(token)
                 if stream.push is not None:
-                    if not stream.pushing:
-                        if not pushes:  # after the steps already waiting on the loop: a lagging server merges them
-                            self.loop.call_soon(self._push)
-                        stream.pushing = True
-                        pushes.append(stream)
+                    push(stream)
                 elif not reason and stream.waiter is not None and not stream.waiter.done():
                     stream.waiter.set_result(None)
                 if reason:
@@ -254,10 +267,6 @@ class Cluster:
         self.router.on_step_tokens(name, [rid for rid, _, _ in tokens])
         for rid, reason in ended:
             self.router.on_finished(name, rid, reason)
-
-    def _push(self) -> None:
-        pushes, self.pushes = self.pushes, []
-        push_all(pushes)
 
     def _ended(self, name: str, rid: str, reason: str | None = None, error: str | None = None) -> None:
         self.unstarted.pop(rid, None)

@@ -27,7 +27,7 @@ from mvllm.backends.base import spawn
 from mvllm.engine.params import SamplingParams
 from mvllm.errors import MvllmError
 from mvllm.server.cluster import Cluster, Stream
-from mvllm.server.wire import CALLS, error_value, frame, read_frame
+from mvllm.server.wire import CALLS, Outbox, error_value, read_frame
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -47,34 +47,23 @@ class Proxy(Stream):
         self.link.news(self)
 
 
-class Link:
-    """The core's end of one API process's socket: what is due to it goes in one write per turn of the loop."""
+class Link(Outbox):
+    """The core's end of one API process's socket: with the turn's other messages, one "tokens" message holding
+    the news of every request of that process that had some."""
 
-    def __init__(self, core: Core, writer: asyncio.StreamWriter):
-        self.core, self.writer = core, writer
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter):
+        super().__init__(loop, writer)
         self.index: int | None = None
-        self.out: list = []
         self.dirty: list[Proxy] = []
-        self.due = False
         self.held: dict[str, Proxy] = {}  # its requests the core still holds
-
-    def send(self, message: tuple) -> None:
-        self.out.append(message)
-        self._due()
 
     def news(self, proxy: Proxy) -> None:
         if not proxy.queued:
             proxy.queued = True
             self.dirty.append(proxy)
-            self._due()
-
-    def _due(self) -> None:
-        if not self.due:
-            self.due = True
-            self.core.loop.call_soon(self.flush)
+            self.due_now()
 
     def flush(self) -> None:
-        self.due = False
         if self.dirty:
             batch = []
             for p in self.dirty:
@@ -83,9 +72,7 @@ class Link:
                 p.tokens = []
             self.dirty = []
             self.out.append(("tokens", batch))
-        if self.out and not self.writer.is_closing():
-            self.writer.write(frame(self.out))
-        self.out = []
+        super().flush()
 
 
 class Core:
@@ -113,7 +100,7 @@ class Core:
         self.procs[index] = proc
 
     async def connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = Link(self, writer)
+        link = Link(self.loop, writer)
         try:
             while True:
                 for message in await read_frame(reader):
@@ -141,17 +128,17 @@ class Core:
         else:
             raise TypeError(f"an API process sent {message!r}")
 
-    async def submit(self, link: Link, call_id: int, token_ids: list[int], params: dict, arrival: float,
+    async def submit(self, link: Link, call_id: int, token_ids: list[int], params: SamplingParams, arrival: float,
                      prefix: str) -> None:
         proxy = Proxy(link)
         try:
-            rid, backend = await self.cluster.submit(token_ids, SamplingParams(**params), arrival, prefix, proxy)
+            rid, backend = await self.cluster.submit(token_ids, params, arrival, prefix, proxy)
         except Exception as e:  # noqa: BLE001 -- every refusal is the API process's to answer
             link.send(("reply", call_id, False, error_value(e)))
             return
         proxy.rid = rid
         link.held[rid] = proxy
-        link.send(("reply", call_id, True, (rid, backend)))
+        link.send(("submitted", call_id, rid, backend))
 
     async def call(self, link: Link, call_id: int, method: str, args: tuple) -> None:
         try:

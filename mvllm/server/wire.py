@@ -2,11 +2,13 @@
 length and a pickled list of messages, so whatever one side has to say in one turn of its loop goes in one write.
 
 API process -> core:
-    ("submit", call_id, token_ids, params, arrival, prefix)  route and submit a request (params: SamplingParams')
+    ("hello", index)                                         the first message: which API process this is
+    ("submit", call_id, token_ids, params, arrival, prefix)  route and submit a request (params: SamplingParams)
     ("leave", rid, done)                                     its response is over (not done: abort it)
     ("observe", backend, prompt, cached, generated, ttft, e2e)  a finished request, for /metrics
     ("call", call_id, method, args)                          one of CALLS, answered by a reply
 core -> API process:
+    ("submitted", call_id, rid, backend)                     a submit's answer: before any of its tokens
     ("reply", call_id, ok, value)                            value: the result, or (error class name, message, param)
     ("tokens", [(rid, tokens, ended, finish_reason, error, cached_tokens, backend), ...])  one per engine step
     ("exit",)                                                the core drained: stop serving
@@ -20,6 +22,7 @@ import socket
 import struct
 
 from mvllm.errors import InvalidRequestError, MvllmError
+from mvllm.server.cluster import ShuttingDownError
 
 HEADER = struct.Struct("!I")
 CALLS = ("health", "render_metrics", "snapshot_all", "warm", "reset_prefix_cache", "set_policy")
@@ -36,6 +39,30 @@ async def read_frame(reader: asyncio.StreamReader) -> list:
     return pickle.loads(await reader.readexactly(size))
 
 
+class Outbox:
+    """One end of a socket: the messages of one turn of the loop go out in one frame, one write."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter | None = None):
+        self.loop, self.writer = loop, writer
+        self.out: list = []
+        self.due = False
+
+    def send(self, message: tuple) -> None:
+        self.out.append(message)
+        self.due_now()
+
+    def due_now(self) -> None:
+        if not self.due:
+            self.due = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.due = False
+        if self.out and self.writer is not None and not self.writer.is_closing():
+            self.writer.write(frame(self.out))
+        self.out = []
+
+
 def error_value(e: Exception) -> tuple[str, str, str | None]:
     return type(e).__name__, str(e), getattr(e, "param", None)
 
@@ -46,8 +73,6 @@ def raise_error(value: tuple[str, str, str | None]) -> None:
     if kind == "InvalidRequestError":
         raise InvalidRequestError(message, param)
     if kind == "ShuttingDownError":
-        from mvllm.server.cluster import ShuttingDownError
-
         raise ShuttingDownError(message)
     raise MvllmError(message)
 
