@@ -1,10 +1,10 @@
-"""Soak: 1,000 streaming requests, 200 at a time, every third cut by its client mid-stream, against a fresh
-`mvllm serve` on a tiny model. Checks every completed stream's tokens against the same prompt served alone,
-that every backend's KV blocks are all free again, and the server's RSS growth. Run: `make soak`, or
-`python tests/soak.py BACKENDS NAME` for other backends (`make soak` runs float32, then int8w with
-batch_invariant=on as `python tests/soak.py int8w int8w-invariant`, then float32 behind two API processes as
-`python tests/soak.py --api-servers 2`: the server's RSS is then the core's and theirs). Writes results/soak/soak.json (soak-int8w.json etc. for
-other backends), with the machine and the command."""
+"""Soak: 1,000 streaming requests, 200 at a time, every third cut by its client mid-stream, against a fresh `mvllm
+serve` on a tiny model. Checks every completed stream's tokens against the same prompt served alone, that every
+backend's KV blocks are all free again, and the server's RSS growth. Run: `make soak`, or `python tests/soak.py
+BACKENDS NAME` for other backends (`make soak` runs float32, then int8w with batch_invariant=on as `python
+tests/soak.py int8w int8w-invariant`, then float32 behind two API processes as `python tests/soak.py --api-servers
+2`: the server's RSS is then the core's and theirs). Writes results/soak/soak.json (soak-int8w.json etc. for other
+backends), with the machine and the command."""
 
 from __future__ import annotations
 
