@@ -23,7 +23,7 @@
 #   RUNS=results/capacity/pace bash experiments/h200.sh pace   # the 3x point again (results/capacity/README.md):
 #                                    # the profile (as depth), the predictions (the 3x point; the load each holds at
 #                                    # the SLO, at 3%), then gpu-only and eta measured at 3x; pace-slo (the next call,
-#                                    # same RUNS): bench --slo at 3%, gpu-only and slo, from 3x up
+#                                    # same RUNS): bench --slo at 3%, gpu-only and slo, from 6x up
 #   bash experiments/h200.sh budget  # the CPU's step budget: a 1,024-token prompt's TTFT against the decodes' worst
 #                                    # gap per max_step_tokens (experiments/probes/step_budget.py, 8 threads)
 #   bash experiments/h200.sh k       # the GPU step kernel by kernel (experiments/probes/gpu_step_kernels.py), then the
@@ -133,10 +133,10 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
               --policy gpu-only,eta,slo --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 2:6 --tolerance 0.03 \
               --out "$runs/predicted/trace-conversation-slo"
           pbench 330 trace-conversation-3x trace-conversation-3x 1 gpu-only,eta ;;
-    pace-slo)  # bench --slo at 3%, gpu-only and slo, from 3x (pace's prediction, 14.9x, was far above the 3x of before)
+    pace-slo)  # bench --slo at 3%, gpu-only and slo, from 6x (the predictions search from 2x: the same points past 6x)
           rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
           run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
-              --policy gpu-only,slo --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 3:6 --tolerance 0.03 ;;
+              --policy gpu-only,slo --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 6:12 --tolerance 0.03 ;;
     budget) run 150 step-budget python3 experiments/probes/step_budget.py --threads 8 --out "$runs/step-budget-cpu.json" ;;
     slo) rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
          run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
