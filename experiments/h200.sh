@@ -36,7 +36,7 @@
 #                                    # against their GEMMs + SDPA floor); JSON into RUNS
 #   RUNS=results/serve-pace bash experiments/h200.sh share   # the client's ceiling, the engine offline, the GPU
 #                                    # alone served with 1 and 2 API processes, GPU + CPU (eta, the CPU backend's
-#                                    # default threads) with 2 (serve_pace.py)
+#                                    # default threads) with 1, then the GPU alone with 1 and 2 again (serve_pace.py)
 #   bash experiments/h200.sh tiles   # the tiled kernel's launch settings swept (probes/tiled_sweep.py), then
 #                                    # probes/prefill_floor.py and gpu_mixed_step.py (kernel by kernel), then the
 #                                    # GPU tests (their names as they pass: a cut run still says which did)
@@ -94,7 +94,7 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
            --out "$runs/gpu-mixed-step.json"
        run 330 gpu-tests python3 -m pytest -v -p no:logging -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ops.py ;;
     share) (lscpu; python3 -m mvllm.cli env --backends gpu=cuda,cpu=cpu) >"$logs/host.txt" 2>&1  # the host shared
-       run 540 serve-pace python3 experiments/serve_pace.py --stages ceiling,offline,served:1,served:2,mixed:2 \
+       run 540 serve-pace python3 experiments/serve_pace.py --stages ceiling,offline,served:1,served:2,mixed:1,served:1,served:2 \
            --out "$runs/serve-pace.json" ;;
     a) bench 240 paper-48
        bench 100 paper-8 ;;
@@ -136,7 +136,9 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
     pace-slo)  # bench --slo at 3%, gpu-only and slo, from 6x (the predictions search from 2x: the same points past 6x)
           rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
           run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \
-              --policy gpu-only,slo --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 6:12 --tolerance 0.03 ;;
+              --policy gpu-only,slo --slo "ttft:2000 tpot:100" --slo-share 0.95 --loads 6:12 --tolerance 0.03
+          tar czf "$runs/trace-slo/capacity.tgz" -C "$runs/trace-slo" capacity ;;  # the device tool returns no
+          # folder that deep (one run's folder a point)
     budget) run 150 step-budget python3 experiments/probes/step_budget.py --threads 8 --out "$runs/step-budget-cpu.json" ;;
     slo) rm -rf "$runs/trace-slo" && mkdir -p "$runs/trace-slo" && cp "$profile" "$runs/trace-slo/profile.json"
          run 560 trace-slo python3 -m mvllm.cli bench experiments/trace-conversation.toml --out "$runs/trace-slo" \

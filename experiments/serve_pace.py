@@ -8,7 +8,8 @@ and the same requests served over HTTP (a burst, all sent at once), with CPU by 
 Stages (--stages, comma-separated): ceiling (bench --selftest's burst against the stub), offline
 (`LLM.generate` on the same requests, max_active as served), served (`mvllm serve --backends gpu=DEVICE`,
 gpu-only) and mixed (`gpu=DEVICE,cpu=cpu`, policy eta, with a profile measured first into --profile unless it
-exists); served:N and mixed:N the same with `--api-servers N` (without :N, serve's default). Requests: `--prompt` random tokens, `--output` tokens each, greedy, EOS ignored, lengths told.
+exists); served:N and mixed:N the same with `--api-servers N` (without :N, serve's default); a stage named again is run
+again, its result under served:N#2 and so on. Requests: `--prompt` random tokens, `--output` tokens each, greedy, EOS ignored, lengths told.
 served/offline output throughput and TPOT (offline: per request, from the engine's token times) are the
 figures; CPU by role is the share of one core each process used over the replay (from /proc, Linux).
 """
@@ -199,27 +200,29 @@ def main() -> None:
                   git_commit=os.environ.get("MVLLM_GIT_COMMIT"), cores=os.cpu_count())
     reqs = make_requests(args.requests, args.prompt, args.output, args.vocab)
     gpu = f"gpu={args.device}/max_active={args.active}"
-    for stage in args.stages.split(","):
+    stages = args.stages.split(",")
+    for i, stage in enumerate(stages):
         t = time.perf_counter()
-        print(f"== {stage}", flush=True)
+        key = stage if stage not in stages[:i] else f"{stage}#{stages[:i].count(stage) + 1}"  # a repeat: served:1#2
+        print(f"== {key}", flush=True)
         kind, _, apis = stage.partition(":")
-        log = out.with_suffix(f".{kind}{apis}.log")
+        log = out.with_suffix(f".{key.replace(':', '').replace('#', '-')}.log")
         if stage == "ceiling":
-            result[stage] = ceiling(args)
+            result[key] = ceiling(args)
         elif stage == "offline":
-            result[stage] = offline(args, reqs)
+            result[key] = offline(args, reqs)
         elif kind == "served":
-            result[stage] = served(args, reqs, gpu, "gpu-only", None, log, apis or None)
+            result[key] = served(args, reqs, gpu, "gpu-only", None, log, apis or None)
         elif kind == "mixed":
             profile = args.profile or str(out.with_suffix(".profile.json"))
             if not Path(profile).is_file():
                 subprocess.run([sys.executable, "-m", "mvllm.cli", "profile", "--model", args.model, "--backends",
                                 f"{gpu},cpu=cpu", "--out", profile], check=True)
-            result[stage] = served(args, reqs, f"{gpu},cpu=cpu", "eta", profile, log, apis or None)
+            result[key] = served(args, reqs, f"{gpu},cpu=cpu", "eta", profile, log, apis or None)
         else:
             raise SystemExit(f"unknown stage {stage!r}")
-        result[stage]["stage_s"] = round(time.perf_counter() - t, 1)
-        print(json.dumps(result[stage], indent=1, default=str)[:1500], flush=True)
+        result[key]["stage_s"] = round(time.perf_counter() - t, 1)
+        print(json.dumps(result[key], indent=1, default=str)[:1500], flush=True)
         out.write_text(json.dumps(result, indent=1, default=str))
     if "offline" in result:
         for key in [k for k in result if k.partition(":")[0] in ("served", "mixed") and isinstance(result[k], dict)]:

@@ -155,8 +155,8 @@ def serve(
     target_slo: str = typer.Option(None, help="The SLO to route by, in --slo's form (e.g. \"ttft:2000 tpot:100\", "
                                               "ms): with --profile the default policy is then slo."),
     api_servers: int = typer.Option(None, help="HTTP processes sharing the port, in front of one core process that "
-                                               "routes (default: 1; beside a GPU backend one per 8 CPUs, at most "
-                                               "4; 1 on macOS)."),
+                                               "routes (default 1: more pay only where one API process is "
+                                               "the bottleneck; docs/serving.md)."),
 ):
     """Serve an OpenAI-compatible API over several backends, each request routed whole to one of them."""
     # Ctrl-C (SIGINT) stops a server still starting as it drains a running one, even where it was started with

@@ -179,7 +179,7 @@ def backend_facts(spec: BackendSpec, model: str = DEFAULT_MODEL, model_cfg=None)
 def collect(backends: str) -> dict:
     specs = parse_backends(backends)
     threads = share_cores(specs)
-    apis, why = api_servers(specs)
+    apis, why = api_servers()
     return {"platform": platform.platform(), "python": platform.python_version(), "build": machine.build_facts(),
             "compute_cores": machine.compute_cores()[1], "threads": threads, "devices": devices(),
             "api_servers": apis, "api_servers_why": why,

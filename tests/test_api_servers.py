@@ -164,18 +164,27 @@ def test_sigterm_drains_every_api_process_then_exits_zero(tmp_path):
 
 
 def test_how_many_api_processes_and_the_cores_they_leave(monkeypatch):
+    """One API process unless asked (two served 0.80x of one on an H100); a CPU backend beside a CUDA GPU takes
+    at most half the compute cores, and with N API processes leaves a core to each and to the core."""
     from mvllm import machine
 
-    gpu, cpu = BackendSpec("gpu", "cuda"), BackendSpec("cpu", "cpu")
     monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
     monkeypatch.setattr(machine, "compute_cores", lambda: (16, "16 logical CPUs"))
-    assert api_servers([gpu, cpu])[0] == 2 and api_servers([cpu]) == (1, "no local GPU backend")
-    assert api_servers([gpu, cpu], 3) == (3, "--api-servers")
-    why = share_cores([gpu, cpu])
-    assert cpu.threads == 16 - 1 - 3 and "2 API processes and the core" in why  # GPU worker, 2 APIs, the core
-    assert "one per 8 logical CPUs" in api_servers([gpu, cpu])[1]
-    monkeypatch.setattr(machine, "system", lambda: "darwin")
-    assert api_servers([gpu, cpu]) == (1, "macOS")
+    assert api_servers() == (1, "the default; serve --api-servers N where one API process is the bottleneck")
+    assert api_servers(3) == (3, "--api-servers")
+
+    def threads(backends, **kw):
+        gpu, cpu = BackendSpec("gpu", backends[0]), BackendSpec("cpu", "cpu")
+        why = share_cores([gpu, cpu], **kw)
+        return gpu.threads, cpu.threads, why
+
+    assert threads(["cuda"]) == (1, 8, "8 a CPU backend: half of 16 logical CPUs, beside a CUDA GPU")
+    assert threads(["cuda:1"], client=True)[:2] == (1, 8)
+    monkeypatch.setattr(machine, "compute_cores", lambda: (6, "6 logical CPUs"))
+    monkeypatch.setattr(machine, "logical_cpus", lambda: 6)
+    _, cpu_threads, why = threads(["cuda"], apis=2)  # 6 less the GPU worker, 2 API processes and the core: 2 < 3
+    assert cpu_threads == 2 and "2 API processes and the core" in why
+    assert threads(["mps"])[1] == 4  # not capped beside MPS: 6 less its worker and the API process
 
 
 def test_api_servers_below_one_is_refused_in_one_line():

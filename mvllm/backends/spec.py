@@ -280,22 +280,12 @@ def default_backends() -> str:
     return "gpu=cpu,cpu=cpu"
 
 
-CORES_PER_API = 8  # beside a GPU backend, one API process per this many logical CPUs (at most MAX_API)
-MAX_API = 4
-
-
-def api_servers(specs: list[BackendSpec], asked: int | None = None) -> tuple[int, str]:
-    """How many API processes `serve` runs, and why: `asked` (--api-servers), else one, or beside a local GPU
-    backend one per CORES_PER_API logical CPUs, at most MAX_API (2 on a 16-core GPU host). One on macOS, and where
-    no GPU backend runs: there a CPU backend's steps, not the API, set the pace, and the cores are its."""
+def api_servers(asked: int | None = None) -> tuple[int, str]:
+    """How many API processes `serve` runs, and why: `asked` (--api-servers), else one. On an H100, two served
+    0.80x of one where one was not busy (results/serve-pace); N pays only where one API process is the bottleneck."""
     if asked is not None:
         return asked, "--api-servers"
-    if machine.system() == "darwin":
-        return 1, "macOS"
-    if not any(not s.remote and not s.null and s.device != "cpu" for s in specs):
-        return 1, "no local GPU backend"
-    return (max(1, min(MAX_API, machine.logical_cpus() // CORES_PER_API)),
-            f"beside a GPU backend, one per {CORES_PER_API} logical CPUs, at most {MAX_API}")
+    return 1, "the default; serve --api-servers N where one API process is the bottleneck"
 
 
 def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None = None) -> str:
@@ -306,7 +296,7 @@ def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None
     to each of the server's processes (its API processes, and the core where there are several: `apis`, by
     default api_servers'), and under `bench` (`client`) one to its client: at a GPU's token rates each of those
     keeps most of a core busy, and a CPU backend on every core but the GPU worker's slowed the GPU's serving
-    (docs/backends.md). Where the machine has more logical CPUs than compute cores (Apple's
+    (docs/backends.md); beside a CUDA GPU they take at most half the compute cores. Where the machine has more logical CPUs than compute cores (Apple's
     efficiency cores) those go there first. `profile` applies the same split, so a backend is measured with
     the threads it will be served with."""
     local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
@@ -314,10 +304,13 @@ def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
     gpus = len(local) - len([s for s in local if s.device == "cpu"])
     cores, what = machine.compute_cores()
-    apis = api_servers(specs)[0] if apis is None else apis
+    apis = api_servers()[0] if apis is None else apis
     serving = (apis + (apis > 1) + client) if gpus else 0  # N > 1 API processes have a core beside them
     elsewhere = max(0, machine.logical_cpus() - cores)  # cores no CPU backend computes on
     left = cores - gpus - max(0, serving - elsewhere)
+    half = any(s.device.startswith("cuda") for s in local) and left > cores // 2
+    if half:  # beside a CUDA GPU, more slowed its serving: 8 of 16 threads tied the GPU alone, 12 lost 13%, 15 lost
+        left = cores // 2  # 37% (results/serve-pace)
     for s in cpu:
         s.threads = max(1, left // len(cpu))
     for s in local:
@@ -330,6 +323,8 @@ def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None
         server = "the API process" if apis == 1 else f"{apis} API processes and the core"
         less.append(server + (" and the bench client" if client else ""))
     over = f" over {len(cpu)} CPU backends" if len(cpu) > 1 else ""
+    if half:
+        return f"{cpu[0].threads} a CPU backend: half of {what}, beside a CUDA GPU" + over
     return f"{cpu[0].threads} a CPU backend: {what}" + (f" less {', '.join(less)}" if less else "") + over
 
 

@@ -105,7 +105,7 @@ def serve(model: str, backends: str | None, policy: str | None, profile: str | N
     if api_servers is not None and api_servers < 1:
         raise InvalidRequestError(f"--api-servers must be at least 1, got {api_servers}", "api_servers")
     specs = parse_apart(backends, max_active)  # backends None: default_backends()
-    apis = count_apis(specs, api_servers)[0]
+    apis = count_apis(api_servers)[0]
     share_cores(specs, apis=apis)
     data = load_profile(profile) if profile else None  # read once: its rates and its threads
     for line in lossy_warnings(specs) + thread_warnings(profile, data, specs):
