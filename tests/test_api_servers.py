@@ -170,7 +170,7 @@ def test_how_many_api_processes_and_the_cores_they_leave(monkeypatch):
 
     monkeypatch.setattr(machine, "logical_cpus", lambda: 16)
     monkeypatch.setattr(machine, "compute_cores", lambda: (16, "16 logical CPUs"))
-    assert api_servers() == (1, "the default; serve --api-servers N where one API process is the bottleneck")
+    assert api_servers() == (1, "the default: more pay only where one API process is the bottleneck")
     assert api_servers(3) == (3, "--api-servers")
 
     def threads(backends, **kw):

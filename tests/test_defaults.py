@@ -104,7 +104,7 @@ def test_env_names_each_backends_default_and_why():
                                    "cpu=cpu/dtype=float32/quant=none/fused=off/max_active=8"])
     assert res.exit_code == 0, res.output
     assert "max_active 4 (measured default)" in res.output and "max_active 8 (set)" in res.output
-    assert "api servers   1 (the default; serve --api-servers N" in res.output
+    assert "api servers   1 (the default: more pay only where one API process is the bottleneck; serve" in res.output
     [gpu] = parse_backends("gpu=cuda", check_devices=False)  # what a CUDA machine shows, for the default model
     most, why = max_active(gpu, gpu.engine_config("-"), "smollm2-135m", SMOL)
     assert (most, why) == (182, "smollm2-135m: KV holds 182 sequences of 1,024 tokens")

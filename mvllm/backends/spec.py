@@ -285,7 +285,7 @@ def api_servers(asked: int | None = None) -> tuple[int, str]:
     0.80x of one where one was not busy (results/serve-pace); N pays only where one API process is the bottleneck."""
     if asked is not None:
         return asked, "--api-servers"
-    return 1, "the default; serve --api-servers N where one API process is the bottleneck"
+    return 1, "the default: more pay only where one API process is the bottleneck"
 
 
 def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None = None) -> str:
