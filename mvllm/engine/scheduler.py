@@ -84,7 +84,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch, budget = Batch(), self.max_step_tokens
         for seq in list(self.running):  # decodes first, a token each (max_step_tokens >= max_active)
-            if seq not in self.running or self._prefilling(seq):
+            if seq.status is not Status.RUNNING or self._prefilling(seq):
                 continue  # preempted below to make room for an earlier request, or a prompt not done
             if self._done(seq):
                 continue  # overlap: its last token, still on its way, ends it ("length")
