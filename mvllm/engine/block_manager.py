@@ -126,6 +126,8 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Publish the full blocks whose KV has been computed, so later prompts can reuse them."""
         bs, done = self.block_size, len(seq.block_hashes)
+        if seq.num_computed_tokens < (done + 1) * bs:
+            return  # no block filled since the last commit: a decode's usual step
         new = block_hashes(seq.token_ids, bs, tokens=seq.num_computed_tokens, start=done,
                            parent=seq.block_hashes[-1] if done else ROOT)
         for i, h in enumerate(new, done):
