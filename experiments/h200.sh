@@ -14,6 +14,8 @@
 #   RUNS=results/real-traffic bash experiments/h200.sh x   # real traffic: the profile over the trace's
 #                                    # prompt lengths, and how soon a client's disconnect frees its slot
 #   RUNS=results/real-traffic bash experiments/h200.sh y   # the trace window; z: shared-prefix, paper-48-hidden
+#   RUNS=/tmp/cap bash experiments/h200.sh cap1   # the trace window at 5x, then cap2: shared-prefix at 60/s, each
+#                                    # predicted first from one profile (cap2 on the same warm machine reuses it)
 #                                    # (commit `mvllm simulate`'s prediction from x's profile first)
 #   RUNS=results/routing bash experiments/h200.sh r1 r2 r3   # routing real traffic: the router alone,
 #                                    # then every policy on paper-48-hidden, shared-prefix, the trace, 3 backends
@@ -73,7 +75,7 @@ pbench() {  # pbench MAX_S EXPERIMENT FOLDER RUNS POLICIES: chosen policies and 
     run "$1" "$3" python3 -m mvllm.cli bench "experiments/$2.toml" --out "$runs/$3" --runs "$4" --policy "$5"
 }
 for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
-    if [[ $stage != t && $stage != kernel && $stage != tiles && $stage != share && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
+    if [[ $stage != t && $stage != kernel && $stage != tiles && $stage != share && $stage != acc && $stage != s && $stage != k && $stage != x && $stage != depth && $stage != slo && $stage != pace && $stage != pace-slo && $stage != cap1 && $stage != cap2 && $stage != budget && $stage != tar && ! -f $profile ]]; then  # GPU up to 16 active, CPU as served
         run 300 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b --lengths 516 --repeats 3 \
             --serving --steps 8 --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
     fi
@@ -118,6 +120,16 @@ for stage in "${@:?stage p, t, kernel, a, b, c, d, e, acc, s or k}"; do
        run 120 disconnect python3 experiments/disconnect_free.py --model synthetic:qwen2.5-0.5b --backends gpu=cuda \
            --out "$runs/disconnect.json" ;;
     y) bench 420 trace-conversation ;;
+    cap1|cap2)  # issue 61's at-capacity runs again (the trace window at 5x; shared-prefix at 60/s), one run each of
+        # gpu-only and eta, predicted first; RUNS on the device's /tmp so that cap2 finds cap1's profile on the
+        # same warm machine (else it profiles again): RUNS=/tmp/cap bash experiments/h200.sh cap1; cp -r /tmp/cap $OUT
+        [[ -f $profile ]] || run 330 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b \
+            --lengths 128,516,2048,8192 --repeats 3 --serving --steps 8 --contexts 0,1024,4096,8192 \
+            --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
+        exp=trace-conversation; [[ $stage == cap2 ]] && exp=shared-prefix
+        [[ -d $runs/predicted/$exp ]] || run 120 predict-$exp python3 -m mvllm.cli simulate "experiments/$exp.toml" \
+            --profile "$profile" --policy gpu-only,eta --out "$runs/predicted/$exp"
+        pbench 330 "$exp" "$exp" 1 gpu-only,eta ;;
     depth) [[ -f $profile ]] || run 330 profile python3 -m mvllm.cli profile --model synthetic:qwen2.5-0.5b \
                --lengths 128,516,2048,8192 --repeats 3 --serving --steps 8 --contexts 0,1024,4096,8192 \
                --backends gpu=cuda/max_active=16,cpu=cpu/threads=8/max_active=4 --out "$profile"
