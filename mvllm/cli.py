@@ -196,6 +196,8 @@ def bench(
     client_workers: int = typer.Option(None, help="Client processes that share the load (default: the "
                                                   "experiment's `client_workers`, else a quarter of the cores, "
                                                   "1 to 8)."),
+    api_servers: int = typer.Option(None, help="The servers' API processes (serve --api-servers; default: the "
+                                               "experiment's `api_servers`, else 1)."),
     selftest: bool = typer.Option(False, "--selftest", help="Instead: measure the client's own ceiling here, "
                                                             "streaming from a stub server (1,024 streams of "
                                                             "256 tokens)."),
@@ -218,6 +220,8 @@ def bench(
 
     if client_workers is not None and client_workers < 1:
         raise MvllmError(f"--client-workers must be at least 1, got {client_workers}")
+    if api_servers is not None and api_servers < 1:
+        raise MvllmError(f"--api-servers must be at least 1, got {api_servers}")
     if selftest:
         from mvllm.bench.selftest import ceiling, line
 
@@ -228,6 +232,8 @@ def bench(
     exp = ex.load(experiment) if experiment else ex.default(model)
     if client_workers is not None:
         exp.client_workers = client_workers
+    if api_servers is not None:
+        exp.api_servers = api_servers
     if goodput:
         exp.goodput = parse_slo(goodput)
     policies = [p.strip() for p in policy.split(",") if p.strip()] if policy else None

@@ -224,3 +224,37 @@ def test_api_processes_do_not_outlive_a_killed_core(tmp_path):
         wait_for(lambda: gone(pids), 30, 0.05, lambda: f"API processes {pids} still running")
     finally:
         server.stop()
+
+
+def test_bench_starts_its_servers_with_the_api_processes_asked(tmp_path):
+    """An experiment's `api_servers` (or bench --api-servers) reaches the servers bench starts: the runs stream
+    through that many API processes and each summary records how many."""
+    from typer.testing import CliRunner
+
+    from mvllm.cli import app
+
+    (tmp_path / "exp.toml").write_text(f'''name = "apis"
+model = "{MODEL}"
+backends = "{NULLS}"
+policies = ["round-robin"]
+runs = 1
+server = "shared"
+max_active = 8
+client_workers = 1
+[workload]
+requests = 16
+prefix_tokens = 8
+suffix_tokens = 4
+output_tokens = 8
+arrival = "fixed"
+interval = 0.01
+''')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--quiet",
+                                      "--api-servers", "2"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(next(out.rglob("summary.json")).read_text())
+    assert summary["api_servers"] == 2 and summary["completed"] == 16
+    assert "2 API processes" in next(out.rglob("server.log")).read_text()
+    bad = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--api-servers", "0"])
+    assert bad.exit_code != 0 and "--api-servers must be at least 1, got 0" in bad.output

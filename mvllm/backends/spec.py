@@ -328,12 +328,12 @@ def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None
     return f"{cpu[0].threads} a CPU backend: {what}" + (f" less {', '.join(less)}" if less else "") + over
 
 
-def with_threads(text: str, client: bool = False) -> str:
+def with_threads(text: str, client: bool = False, apis: int | None = None) -> str:
     """The backend list `text` with the threads share_cores gives each CPU backend written in: a profile and a
     server started from it run the same threads."""
     specs = parse_backends(text, check_devices=False)
     unset = [s.name for s in specs if s.device == "cpu" and s.threads is None]
-    share_cores(specs, client)
+    share_cores(specs, client, apis)
     for s in specs:
         if s.name in unset:
             text = set_option(text, s.name, "threads", str(s.threads))

@@ -41,7 +41,8 @@ EXTERNAL = "external"
 def backend_text(exp: Experiment) -> str:
     """The experiment's backends, each CPU backend's threads written in as share_cores gives them beside bench's
     client: the profile bench measures and the servers it starts run the same threads."""
-    return with_threads(default_backends() if exp.backends == "default" else exp.backends, client=True)
+    return with_threads(default_backends() if exp.backends == "default" else exp.backends, client=True,
+                        apis=exp.api_servers)
 
 
 def _largest(exp: Experiment) -> dict[str, int]:
@@ -142,6 +143,8 @@ def server_args(exp: Experiment, policy: str, profile: Path | None, routing_log:
         args += ["--profile", str(profile)]
     if exp.max_active is not None:
         args += ["--max-active", str(exp.max_active)]
+    if exp.api_servers > 1:
+        args += ["--api-servers", str(exp.api_servers)]
     return args
 
 
@@ -171,7 +174,7 @@ class Servers:
             self.stop()
             home = folder
         else:
-            key = (exp.model, backend_text(exp), exp.max_active)
+            key = (exp.model, backend_text(exp), exp.max_active, exp.api_servers)
             if key == self.key and self.server is not None:
                 self._reset(policy, exp.goodput if uses_slo(policy) else None)
                 return self.server, self.log
@@ -245,6 +248,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
     workload = asdict(exp.workload) | {"requests": len(requests), "stop": stop if exp.workload.hidden else None}
     summary = {"experiment": exp.name, "policy": policy, "model": exp.model,
                "backends": backend_text(exp) if server else None, "max_active": exp.max_active,
+               "api_servers": exp.api_servers if server else None,
                "url": url if server is None else None, "profile": str(servers.profile) if server and servers.profile
                else None, "workload": workload, "start_time": start, **meta}
     summary.update(summarize(records, duration, exp.goodput))
