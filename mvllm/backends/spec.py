@@ -296,9 +296,9 @@ def share_cores(specs: list[BackendSpec], client: bool = False, apis: int | None
     to each of the server's processes (its API processes, and the core where there are several: `apis`, by
     default api_servers'), and under `bench` (`client`) one to its client: at a GPU's token rates each of those
     keeps most of a core busy, and a CPU backend on every core but the GPU worker's slowed the GPU's serving
-    (docs/backends.md); beside a CUDA GPU they take at most half the compute cores. Where the machine has more logical CPUs than compute cores (Apple's
-    efficiency cores) those go there first. `profile` applies the same split, so a backend is measured with
-    the threads it will be served with."""
+    (docs/backends.md); beside a CUDA GPU they take at most half the compute cores. Where the machine has more
+    logical CPUs than compute cores (Apple's efficiency cores) those go there first. `profile` applies the same
+    split, so a backend is measured with the threads it will be served with."""
     local = [s for s in specs if not s.remote and not s.null]  # a remote's threads are another machine's; a null
     # backend computes nothing
     cpu = [s for s in local if s.device == "cpu" and s.threads is None]
