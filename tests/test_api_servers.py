@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 from conftest import http_client, wait_for
-from test_shutdown import TINY, children, drains_on_sigterm, gone
+from test_shutdown import TINY, children, die_with_a_killed_server, drains_on_sigterm, gone
 
 from mvllm.backends.spec import BackendSpec, api_servers, share_cores
 from mvllm.bench.process import ServerProcess
@@ -173,18 +173,18 @@ def test_how_many_api_processes_and_the_cores_they_leave(monkeypatch):
     assert api_servers() == (1, "the default: more pay only where one API process is the bottleneck")
     assert api_servers(3) == (3, "--api-servers")
 
-    def threads(backends, **kw):
-        gpu, cpu = BackendSpec("gpu", backends[0]), BackendSpec("cpu", "cpu")
+    def threads(device, **kw):  # (the GPU worker's threads, the CPU backend's, why) beside a GPU on `device`
+        gpu, cpu = BackendSpec("gpu", device), BackendSpec("cpu", "cpu")
         why = share_cores([gpu, cpu], **kw)
         return gpu.threads, cpu.threads, why
 
-    assert threads(["cuda"]) == (1, 8, "8 a CPU backend: half of 16 logical CPUs, beside a CUDA GPU")
-    assert threads(["cuda:1"], client=True)[:2] == (1, 8)
+    assert threads("cuda") == (1, 8, "8 a CPU backend: half of 16 logical CPUs, beside a CUDA GPU")
+    assert threads("cuda:1", client=True)[:2] == (1, 8)
     monkeypatch.setattr(machine, "compute_cores", lambda: (6, "6 logical CPUs"))
     monkeypatch.setattr(machine, "logical_cpus", lambda: 6)
-    _, cpu_threads, why = threads(["cuda"], apis=2)  # 6 less the GPU worker, 2 API processes and the core: 2 < 3
+    _, cpu_threads, why = threads("cuda", apis=2)  # 6 less the GPU worker, 2 API processes and the core: 2 < 3
     assert cpu_threads == 2 and "2 API processes and the core" in why
-    assert threads(["mps"])[1] == 4  # not capped beside MPS: 6 less its worker and the API process
+    assert threads("mps")[1] == 4  # not capped beside MPS: 6 less its worker and the API process
 
 
 def test_api_servers_below_one_is_refused_in_one_line():
@@ -216,14 +216,9 @@ def test_an_api_process_that_exits_before_it_serves_stops_the_server():
 
 def test_api_processes_do_not_outlive_a_killed_core(tmp_path):
     server = start(tmp_path)
-    try:
-        pids = list(health(server)["api_servers"].values())
-        assert len(pids) == 2 and set(pids) <= set(children(server.proc.pid))
-        server.proc.kill()
-        server.proc.wait(10)
-        wait_for(lambda: gone(pids), 30, 0.05, lambda: f"API processes {pids} still running")
-    finally:
-        server.stop()
+    pids = list(health(server)["api_servers"].values())
+    assert len(pids) == 2 and set(pids) <= set(children(server.proc.pid))
+    die_with_a_killed_server(server, pids, "API processes")
 
 
 def test_bench_starts_its_servers_with_the_api_processes_asked(tmp_path):

@@ -52,6 +52,16 @@ def stream(url: str, max_tokens: int, out: list, started: threading.Event) -> No
                 started.set()
 
 
+def die_with_a_killed_server(server: ServerProcess, pids: list[int], what: str) -> None:
+    """SIGKILL the server: its child processes `pids` end too (none is left running or serving)."""
+    try:
+        server.proc.kill()
+        server.proc.wait(10)
+        wait_for(lambda: gone(pids), 60, 0.05, lambda: f"{what} {pids} still running")
+    finally:
+        server.stop()
+
+
 def drains_on_sigterm(server: ServerProcess) -> None:
     """SIGTERM while a long stream runs: a late request gets a 503, the stream ends with an "abort" chunk and
     [DONE], and the server exits 0."""
@@ -109,14 +119,9 @@ def test_running_requests_finish_within_the_timeout(tmp_path):
 
 def test_workers_do_not_outlive_a_killed_server(tmp_path):
     server = start(tmp_path)
-    try:
-        workers = children(server.proc.pid)
-        assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
-        server.proc.kill()
-        server.proc.wait(10)
-        wait_for(lambda: gone(workers), 60, 0.05, lambda: f"workers {workers} still running")
-    finally:
-        server.stop()
+    workers = children(server.proc.pid)
+    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    die_with_a_killed_server(server, workers, "workers")
 
 
 def test_ctrl_c_stops_a_server_still_starting_even_with_sigint_ignored(tmp_path):
