@@ -151,6 +151,13 @@ def test_malformed_json_and_missing_fields(mixed):
     assert r.status_code == 400 and "unknown backend" in r.json()["error"]["message"]
 
 
+def test_a_request_without_a_model_gets_the_served_one(mixed):
+    # as vLLM's and llama.cpp's servers: `model` may be left out (a newcomer's first curl often does)
+    r = http_client.post(f"{mixed.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_mixed_moves_work_to_cpu_once_gpu_score_passes_it(mixed):
     results = asyncio.run(stream_all(mixed.url, 16, max_tokens=200))
     placed = [r["backend"] for r in results]

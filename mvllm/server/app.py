@@ -66,7 +66,7 @@ def build_app(cluster: Cluster, tokenizer: Tokenizer, model_name: str, vocab_siz
                   default=context or 2048)
 
     def served(body) -> None:
-        if body.model != model_name:
+        if body.model is not None and body.model != model_name:
             raise InvalidRequestError(f"model {body.model!r} is not served here; this server serves "
                                       f"{model_name!r}", "model")
 

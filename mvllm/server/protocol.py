@@ -17,7 +17,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # absent: the served model (vLLM and llama.cpp's server take it so)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
