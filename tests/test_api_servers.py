@@ -78,9 +78,18 @@ def test_streams_spread_over_the_api_processes_and_the_counters_are_whole(server
     assert sorted(health(server)["api_servers"]) == ["0", "1"]
 
 
+def connections(seen: set, most: int = 64):
+    """Count connections until `seen` holds both API processes' names: the kernel spreads connections over the
+    two sockets at random, so a fixed few (8) all reach one of them about once in 128 runs."""
+    for i in range(most):
+        if i >= 4 and seen == {"0", "1"}:
+            return
+        yield i
+
+
 def test_bad_input_gets_a_400_from_every_api_process(server):
     seen = set()
-    for _ in range(12):  # a connection each: both processes answer
+    for _ in connections(seen):
         with httpx.Client() as c:
             r = c.post(f"{server.url}/v1/completions", content=b"{not json",
                        headers={"content-type": "application/json"})
@@ -100,7 +109,7 @@ def test_bad_input_gets_a_400_from_every_api_process(server):
 
 def test_the_cores_endpoints_answer_from_every_api_process(server):
     seen = set()
-    for _ in range(8):  # a connection each
+    for _ in connections(seen):
         with httpx.Client() as c:
             warm = c.post(f"{server.url}/v1/warm", json={"prompt": [1, 2, 3, 4]})
             reset = c.post(f"{server.url}/reset_prefix_cache")
