@@ -198,6 +198,9 @@ def bench(
                                                   "1 to 8)."),
     api_servers: int = typer.Option(None, help="The servers' API processes (serve --api-servers; default: the "
                                                "experiment's `api_servers`, else 1)."),
+    warmup: int = typer.Option(None, help="Requests sent at once to each server bench starts (or once to --url) "
+                                          "before its first run, replies dropped, its caches emptied after "
+                                          "(default: the experiment's `warmup`, else 0)."),
     selftest: bool = typer.Option(False, "--selftest", help="Instead: measure the client's own ceiling here, "
                                                             "streaming from a stub server (1,024 streams of "
                                                             "256 tokens)."),
@@ -222,6 +225,8 @@ def bench(
         raise MvllmError(f"--client-workers must be at least 1, got {client_workers}")
     if api_servers is not None and api_servers < 1:
         raise MvllmError(f"--api-servers must be at least 1, got {api_servers}")
+    if warmup is not None and warmup < 0:
+        raise MvllmError(f"--warmup must be 0 or more, got {warmup}")
     if selftest:
         from mvllm.bench.selftest import ceiling, line
 
@@ -234,6 +239,8 @@ def bench(
         exp.client_workers = client_workers
     if api_servers is not None:
         exp.api_servers = api_servers
+    if warmup is not None:
+        exp.warmup = warmup
     if goodput:
         exp.goodput = parse_slo(goodput)
     policies = [p.strip() for p in policy.split(",") if p.strip()] if policy else None

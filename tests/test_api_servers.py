@@ -262,3 +262,42 @@ interval = 0.01
     assert "2 API processes" in next(out.rglob("server.log")).read_text()
     bad = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--api-servers", "0"])
     assert bad.exit_code != 0 and "--api-servers must be at least 1, got 0" in bad.output
+
+
+def test_bench_warms_each_server_it_starts_up_and_times_none_of_it(tmp_path):
+    """`warmup` (or bench --warmup N): N requests at once on each new server before its run, replies dropped; the
+    run's routing log holds its own requests only, and the summary says what the warm-up sent."""
+    from typer.testing import CliRunner
+
+    from mvllm.cli import app
+
+    (tmp_path / "exp.toml").write_text(f'''name = "warm"
+model = "{MODEL}"
+backends = "{NULLS}"
+policies = ["round-robin", "gpu-only"]
+runs = 1
+server = "fresh"
+max_active = 8
+client_workers = 1
+warmup = 5
+[workload]
+requests = 12
+prefix_tokens = 8
+suffix_tokens = 4
+output_tokens = 6
+arrival = "fixed"
+interval = 0.01
+''')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    for run in ("round-robin-run1", "gpu-only-run1"):
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert summary["completed"] == 12 and summary["warmup"]["requests"] == 5 and summary["warmup"]["failed"] == 0
+        routed = (out / run / "routing.jsonl").read_text().splitlines()
+        assert len(routed) == 12, routed[:3]
+    bad = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--warmup", "-1"])
+    assert bad.exit_code != 0 and "--warmup must be 0 or more, got -1" in bad.output
+    (tmp_path / "bad.toml").write_text((tmp_path / "exp.toml").read_text().replace("warmup = 5", "warmup = -2"))
+    bad = CliRunner().invoke(app, ["bench", str(tmp_path / "bad.toml"), "--out", str(out)])
+    assert bad.exit_code != 0 and "warmup" in bad.output and "must be 0 or more" in bad.output

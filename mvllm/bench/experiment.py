@@ -144,6 +144,7 @@ class Experiment:
     request_timeout: float = 600.0
     client_workers: int | None = None  # client processes; None: loadgen.auto_workers()
     api_servers: int = 1  # the servers' API processes (serve --api-servers)
+    warmup: int = 0  # requests replayed at once on each server bench starts, before its first run (runner.warm_up)
     goodput: dict | None = None  # SLOs in ms, e.g. {"ttft_ms": 500, "e2el_ms": 5000}: the summary adds goodput
     description: str = ""
     workload: Workload = field(default_factory=Workload)
@@ -325,6 +326,7 @@ def check(exp: Experiment, where: str = "experiment") -> None:
         (exp.request_timeout > 0, "request_timeout", "must be positive"),
         (exp.client_workers is None or exp.client_workers >= 1, "client_workers", "must be at least 1"),
         (exp.api_servers >= 1, "api_servers", "must be at least 1"),
+        (exp.warmup >= 0, "warmup", "must be 0 or more"),
         (w.requests is None or w.requests >= 1, "workload.requests", "must be at least 1"),
         (w.prefix_tokens is None or w.prefix_tokens >= 0, "workload.prefix_tokens", "must be 0 or more"),
         (w.suffix_tokens is None or w.suffix_tokens >= 0, "workload.suffix_tokens", "must be 0 or more"),

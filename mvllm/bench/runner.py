@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
@@ -21,6 +21,7 @@ from mvllm.bench.health import summarize_client, warning
 from mvllm.bench.loadgen import auto_workers, generate
 from mvllm.bench.metrics import summarize
 from mvllm.bench.process import ServerError, ServerProcess
+from mvllm.bench.request import Request
 from mvllm.bench.results import run_id, write_aggregate, write_json, write_requests
 from mvllm.bench.workload import Built, build_all, selection_line, vocab_of
 from mvllm.errors import MvllmError
@@ -162,6 +163,7 @@ class Servers:
         self.key: tuple | None = None
         self.count = 0
         self.unsliced = False  # a run's lines of the shared log not yet copied into its folder
+        self.new = False  # the last start() started a server (not one kept from a run before)
 
     def start(self, exp: Experiment, policy: str, folder: Path) -> tuple[ServerProcess, Path]:
         """Ready server for one run, and its routing log."""
@@ -176,7 +178,8 @@ class Servers:
         else:
             key = (exp.model, backend_text(exp), exp.max_active, exp.api_servers)
             if key == self.key and self.server is not None:
-                self._reset(policy, exp.goodput if uses_slo(policy) else None)
+                self.new = False
+                self.reset(policy, exp.goodput if uses_slo(policy) else None)
                 return self.server, self.log
             self.stop()
             self.count += 1
@@ -187,9 +190,10 @@ class Servers:
         self.log = home / "routing.jsonl"
         self.server = ServerProcess(server_args(exp, policy, self.profile, self.log), home / "server.log").start()
         self.server.wait_ready(exp.ready_timeout)
+        self.new = True
         return self.server, self.log
 
-    def _reset(self, policy: str, slo: dict | None = None) -> None:
+    def reset(self, policy: str, slo: dict | None = None) -> None:
         choice = {"policy": policy, **({"slo": slo_text(slo)} if slo else {})}
         for path, body in (("/reset_prefix_cache", None), ("/v1/policy", choice)):
             r = self.server.http.post(self.server.url + path, json=body, timeout=120.0)
@@ -212,6 +216,17 @@ def step_budgets(url: str) -> dict[str, int | None]:
         return {}
 
 
+def warm_up(url: str, model: str | None, requests: list[Request], count: int, exp: Experiment, stop: str,
+            vocab: int) -> dict:
+    """The first `count` requests that open a conversation, sent at once and their replies dropped: a server's
+    first steps of each shape may compile or allocate (the GPU's did: gpu-only's first 3 s on a fresh server at
+    the trace's 3x point), which no run should time. vLLM's `bench serve --num-warmups` does the same."""
+    first = [replace(r, arrival=0.0) for r in requests if r.parent is None][:count]
+    records, duration, _, _ = generate(url, model, first, exp.request_timeout, exp.client_workers or auto_workers(),
+                                       None, stop, vocab)
+    return {"requests": len(first), "failed": sum(not r.ok for r in records), "duration_s": round(duration, 3)}
+
+
 def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | None, folder: Path, label: str,
             console: Console, quiet: bool, built: Built) -> dict:
     """One run of `built` (exp's workload, built once for all its runs: replays do not change it)."""
@@ -223,8 +238,14 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
         if url is None:
             with console.status(f"{label}: preparing the server"):
                 server, log = servers.start(exp, policy, folder)
-                offset = log.stat().st_size if log.is_file() else 0
                 meta.update(server_command=server.command, server=servers.mode)
+            if servers.new and exp.warmup:  # then its caches emptied and its policy set anew: a fresh state
+                with console.status(f"{label}: warming the server up ({exp.warmup} requests at once)"):
+                    meta["warmup"] = warm_up(server.url, served_model(server.url) or exp.model, requests,
+                                             exp.warmup, exp, "field", vocab)
+                    servers.reset(policy, exp.goodput if uses_slo(policy) else None)
+            with console.status(f"{label}: preparing the server"):
+                offset = log.stat().st_size if log.is_file() else 0
                 if exp.workload.warm and prefix:
                     meta["warm_cached_tokens"] = server.warm(prefix)
             url = server.url
@@ -240,10 +261,11 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
     finally:
         if servers is not None and servers.mode == "fresh":
             servers.stop()
-    if server is not None and log != folder / "routing.jsonl" and log.is_file():
-        with open(log, "rb") as f:
+    if server is not None and log.is_file() and (log != folder / "routing.jsonl" or offset):
+        with open(log, "rb") as f:  # the run's lines: not a run before's, nor the warm-up's
             f.seek(offset)
-            (folder / "routing.jsonl").write_bytes(f.read())
+            lines = f.read()
+        (folder / "routing.jsonl").write_bytes(lines)
         servers.unsliced = False
     workload = asdict(exp.workload) | {"requests": len(requests), "stop": stop if exp.workload.hidden else None}
     summary = {"experiment": exp.name, "policy": policy, "model": exp.model,
@@ -296,6 +318,13 @@ def prepare(exp: Experiment, out: Path, policies: list[str] | None, url: str | N
         shutil.copyfile(exp.path, out / "experiment.toml")
     write_json(out / "experiment.json", asdict(exp))
     built = workloads(exp, out, console, quiet)
+    if url is not None and exp.warmup:  # a server bench did not start: warmed once, its caches left as they are
+        first = next(iter(built.values())).requests
+        with console.status(f"warming {url} up ({exp.warmup} requests at once)"):
+            done = warm_up(url, served_model(url), first, exp.warmup, exp, "disconnect", vocab_of(exp.model, exp.workload))
+        if not quiet:
+            console.print(f"[dim]warm-up: {done['requests']} requests in {done['duration_s']:.1f} s, {done['failed']} "
+                          "failed; the server's caches were not emptied after it[/dim]", highlight=False)
     profile = find_profile(exp, home or out, lambda e, path: measure(e, path, console)) if url is None else None
     if url is None:
         check_profile(exp, policies, profile)
