@@ -63,7 +63,8 @@ def test_profile_without_serving_has_no_serving_block(profiled):
 
 
 def test_serving_overheads_measured_through_the_server(tmp_path):
-    """--serving: each backend's request_ms/step_ms through a real `mvllm serve`, the other backend busy."""
+    """--serving: each backend's request_ms/step_ms through a real `mvllm serve`, the other backend busy, and
+    step_ms_alone with it idle."""
     from mvllm.routing.eta import Timing
 
     out = tmp_path / "serving.json"
@@ -81,11 +82,15 @@ def test_serving_overheads_measured_through_the_server(tmp_path):
         assert len(m["ttft_ms"]) == 5 and m["uncached_tokens"] == 20  # the 496-token prefix was cached
         assert set(m["served_gap_ms"]) == {"1", "2"} and all(g > 0 for g in m["served_gap_ms"].values())
         assert s["step_ms"] == pytest.approx(max(0.0, sum(m["host_ms"].values()) / 2), abs=1e-2)
+        assert set(m["served_gap_alone_ms"]) == {"1", "2"} and all(g > 0 for g in m["served_gap_alone_ms"].values())
+        alone = sum(m["served_gap_alone_ms"][k] - m["profiled_step_ms"][k] for k in ("1", "2")) / 2
+        assert s["step_ms_alone"] == pytest.approx(min(s["step_ms"], max(0.0, alone)), abs=1e-2)
         assert "every other backend decodes" in s["rule"]
         bare = Timing.from_profile({k: v for k, v in b.items() if k != "serving"})
         timing = Timing.from_profile(b)
         assert timing.request_s == pytest.approx(s["request_ms"] / 1000)
         assert timing.step_s[0] - bare.step_s[0] == pytest.approx(s["step_ms"] / 1000)
+        assert timing.alone_s == pytest.approx((s["step_ms"] - s["step_ms_alone"]) / 1000)
 
 
 def test_serving_roles():

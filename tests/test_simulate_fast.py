@@ -67,6 +67,14 @@ def budgeted(profile: dict, budget: int) -> dict:
     return out
 
 
+def alone(profile: dict) -> dict:
+    """The profile with served host work per step that is less while the other backend idles (step_ms_alone)."""
+    out = copy.deepcopy(profile)
+    for name, (busy, idle) in (("gpu", (0.5, 0.1)), ("cpu", (3.0, 0.5))):
+        out["backends"][name]["serving"] = {"request_ms": 0.0, "step_ms": busy, "step_ms_alone": idle}
+    return out
+
+
 PROFILES = {
     "capacity": CAPACITY,  # the GPU schedules with overlap: steps scheduled a step ahead run at once too
     "capacity-no-overlap": variant(CAPACITY, overlap=False),  # depth-priced steps run at once
@@ -75,6 +83,8 @@ PROFILES = {
     "small-pools-overlap": variant(CAPACITY, 300, 120),
     "budget": budgeted(variant(CAPACITY, 300, 120), 256),  # prompts in chunks, with and without overlap
     "budget-no-overlap": budgeted(variant(CAPACITY, 300, 120, overlap=False), 256),
+    "alone": alone(CAPACITY),  # a step is cheaper while the other backend idles
+    "alone-no-overlap": alone(variant(CAPACITY, overlap=False)),
 }
 
 
@@ -173,3 +183,32 @@ def test_the_band_s_brief_runs_give_what_whole_summaries_give(tmp_path):
     for key in sim.BAND_KEYS:
         assert row["band"][key] == [min(r[key] for r in runs), max(r[key] for r in runs)]
     assert runs[1]["p95_ttft_ms"] != runs[2]["p95_ttft_ms"]
+
+
+def test_a_step_costs_the_host_work_measured_alone_while_no_other_backend_has_work(tmp_path):
+    """serving.step_ms_alone: the simulator prices a step by it while the other backend idles (gpu-only: always),
+    by step_ms while the other has work; a profile without it prices every step by step_ms, as before."""
+    from mvllm.routing.eta import Timing
+
+    profile = alone(variant(CAPACITY, overlap=False))
+    gpu = Timing.from_profile(profile["backends"]["gpu"])
+    assert gpu.alone_s == pytest.approx(0.0004) and gpu.step_s[0] == pytest.approx(
+        Timing.from_profile(CAPACITY["backends"]["gpu"]).step_s[0] - 0.004e-3 + 0.5e-3)
+    busy = copy.deepcopy(profile)
+    for entry in busy["backends"].values():
+        del entry["serving"]["step_ms_alone"]
+    assert Timing.from_profile(busy["backends"]["gpu"]).alone_s == 0.0
+    exp = experiment(kind="trace", path=str(mooncake(tmp_path / "trace.jsonl", 60, gap_ms=50)), scale=4)
+    keep_alone, keep_busy = [], []
+    sim.run_one(exp, "gpu-only", profile, 512, keep=keep_alone)
+    sim.run_one(exp, "gpu-only", busy, 512, keep=keep_busy)
+    gaps = [(r.chunks[-1] - r.chunks[0]) / (len(r.chunks) - 1) for r in keep_alone if len(r.chunks) > 20]
+    busy_gaps = [(r.chunks[-1] - r.chunks[0]) / (len(r.chunks) - 1) for r in keep_busy if len(r.chunks) > 20]
+    assert sum(busy_gaps) / len(busy_gaps) - sum(gaps) / len(gaps) > 0.0003  # nearly the 0.4 ms less a step
+    # round-robin keeps both busy at times: the gpu's steps then cost step_ms, so its gain is smaller than alone
+    rr_alone, rr_busy = [], []
+    sim.run_one(exp, "round-robin", profile, 512, keep=rr_alone)
+    sim.run_one(exp, "round-robin", busy, 512, keep=rr_busy)
+    on_gpu = [(a.finish - a.first_token) - (b.finish - b.first_token) for a, b in zip(rr_alone, rr_busy)
+              if a.backend == "gpu" and len(a.chunks) > 20]
+    assert on_gpu and all(d <= 1e-9 for d in on_gpu)

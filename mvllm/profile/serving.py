@@ -8,6 +8,8 @@ Per backend:
 - step_ms: host work each decode step gains while serving, the mean over batch 1 and max_active of the
   served inter-token time (per request, while all b requests decode; median over requests) minus the
   profiled decode step_ms at that batch, clamped at 0;
+- step_ms_alone: the same with every other backend idle, at most step_ms (the simulator prices a step by it
+  while no other backend has work: on a small host, the others' threads are most of step_ms);
 - request_ms: the time a request spends outside the backend (HTTP, routing, pipes, the first chunk back):
   the median served TTFT of a lone request of 20 new tokens after a cached prefix (3 x repeats of them, at
   least 5), minus what the timing model prices for it in-process (its prefill, then one decode step) and
@@ -169,33 +171,44 @@ async def measure_one(client: Client, role: str, spec: BackendSpec, entry: dict,
             lone.append(rec.ttft)
             uncached.append(rec.prompt_tokens - (rec.cached_tokens or 0))
         busy.append(load.busy())
-    gaps = {}
     # between a batch's admissions: HTTP, routing and the other backends' steps, with room for a loaded host
     stagger = 0.3 + 4 * max((load_steps[r] for r in others), default=0.0)
-    for b in sorted({1, top}):
-        for attempt in range(3):  # a loaded host may admit a batch's requests too far apart: longer each time
-            length = min(steps + 4 + math.ceil((2 ** attempt) * stagger / (step_ms[b] / 1000)),
-                         max_len - DECODE_PREFIX - DECODE_NEW - 1)
-            async with Load(client, others, load_tokens(length * step_ms[b] / 1000 * 2 + 0.2)) as load:
-                await client.pin(role)
-                recs = await client.run([decode_prefix + client.tokens(DECODE_NEW) for _ in range(b)], length, role)
-                busy.append(load.busy())
-            try:
-                gaps[b] = 1000 * decode_gap_s(recs)
-                break
-            except ServingError:
-                if attempt == 2:
-                    raise
+
+    async def served_gaps(loaded: dict[str, BackendSpec]) -> dict[int, float]:
+        """The served decode gap (ms) at batch 1 and max_active while the `loaded` backends decode."""
+        gaps = {}
+        for b in sorted({1, top}):
+            for attempt in range(3):  # a loaded host may admit a batch's requests too far apart: longer each time
+                length = min(steps + 4 + math.ceil((2 ** attempt) * stagger / (step_ms[b] / 1000)),
+                             max_len - DECODE_PREFIX - DECODE_NEW - 1)
+                async with Load(client, loaded, load_tokens(length * step_ms[b] / 1000 * 2 + 0.2)) as load:
+                    await client.pin(role)
+                    recs = await client.run([decode_prefix + client.tokens(DECODE_NEW) for _ in range(b)], length,
+                                            role)
+                    if loaded:
+                        busy.append(load.busy())
+                try:
+                    gaps[b] = 1000 * decode_gap_s(recs)
+                    break
+                except ServingError:
+                    if attempt == 2:
+                        raise
+        return gaps
+
+    gaps = await served_gaps(others)
+    alone = await served_gaps({}) if others else gaps  # the same with every other backend idle
     host = {b: gaps[b] - step_ms[b] for b in gaps}
     step = max(0.0, statistics.mean(host.values()))
+    step_alone = min(step, max(0.0, statistics.mean(alone[b] - step_ms[b] for b in alone)))
     tokens = round(statistics.median(uncached))
     in_process = 1000 * (timing.prefill_s(tokens) + timing.step_s[0])
     ttft = 1000 * statistics.median(lone)
     return {"request_ms": round(max(0.0, ttft - in_process - step), 3), "step_ms": round(step, 3),
-            "rule": RULE,
+            "step_ms_alone": round(step_alone, 3), "rule": RULE,
             "measured": {"ttft_ms": [round(1000 * t, 3) for t in lone], "ttft_median_ms": round(ttft, 3),
                          "uncached_tokens": tokens, "in_process_ms": round(in_process, 3),
                          "served_gap_ms": {str(b): round(g, 3) for b, g in gaps.items()},
+                         "served_gap_alone_ms": {str(b): round(g, 3) for b, g in alone.items()},
                          "profiled_step_ms": {str(b): round(step_ms[b], 3) for b in gaps},
                          "host_ms": {str(b): round(h, 3) for b, h in host.items()},
                          "others_busy": sorted(others), "others_stayed_busy": all(busy),

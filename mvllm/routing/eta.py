@@ -18,6 +18,9 @@ which measurement of the profile entry:
   the extra time over a decode step that `mixed` measures (a step admitting one prompt while max_active - 1
   decode), else that the lone `prefill` steps measure (warm and cold, interpolated by uncached tokens), else
   uncached tokens / `prefill_rate` (a hand-written profile);
+- `serving.step_ms_alone`: the same host work while every other backend idles; `mvllm simulate` prices a step
+  started while no other backend has work by it (`alone_s` less), where the others' threads no longer share
+  the cores; eta's own estimates keep `step_ms`, the busier host;
 - `serving.request_ms`: the time a request spends outside the backend (HTTP, routing, the pipes, the first
   chunk back); it delays admission and every token, but occupies nothing.
 """
@@ -97,6 +100,7 @@ class Timing:
     depth_ref: float = 0.0  # the mean context at which the decode table (step_s) was measured
     budget: int | None = None  # max_step_tokens the profile ran under (None: each prompt admitted whole)
     chunks: Chunks | None = None  # the chunk's price (None: a profile without chunk rows, priced by prefill_s)
+    alone_s: float = 0.0  # seconds a step takes less while no other backend has work (serving.step_ms_alone)
     memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -111,11 +115,12 @@ class Timing:
             steps[i] = s if s is not None else steps[i - 1]
         serving = entry.get("serving") or {}
         host = float(serving.get("step_ms", 0.0)) / 1000
+        alone = min(host, float(serving.get("step_ms_alone", host * 1000)) / 1000)
         depth = depth_cost(entry)
         chunks = Chunks.fit(entry.get("chunks", []), steps, depth) if entry.get("max_step_tokens") else None
         return cls(float(entry["prefill_rate"]), [s + host for s in steps], prefill_points(entry, table),
                    float(serving.get("request_ms", 0.0)) / 1000, bool(entry.get("overlap")), *depth,
-                   entry["max_step_tokens"] if chunks else None, chunks)
+                   entry["max_step_tokens"] if chunks else None, chunks, host - alone)
 
     @property
     def max_active(self) -> int:

@@ -13,7 +13,8 @@ An admitted request's cached prefix is looked up then and costs nothing; its fir
 prompt, at most what is left of the budget. A preempted request's prompt and tokens are computed again
 through the same budget. A step costs the profile's decode step at its batch (the requests in it), priced by
 the context its decoding requests hold where the profile decoded at several depths (`Timing.at_depth`), plus
-each chunk's price (`Timing.chunk_s`: its tokens and the context they read). Only the chunk that completes a
+each chunk's price (`Timing.chunk_s`: its tokens and the context they read), less `Timing.alone_s` where it
+starts while no other backend has work (the profile's served host work with the others idle). Only the chunk that completes a
 prompt samples: a request's first token comes at the end of that step; the full blocks of each chunk are
 published when its step ends (with overlap, as it is launched), so a later request can hit them before the
 prompt is done. A
@@ -81,6 +82,7 @@ class Backend:
     planned_parts: dict = field(default_factory=dict)
     planned_idle: tuple = ()
     preemptions: int = 0
+    others: tuple = ()  # the other backends: while none has work, a step costs Timing.alone_s less
 
     @property
     def has_work(self) -> bool:
@@ -113,8 +115,13 @@ class Backend:
         if timing.depth_s:  # a request prefilling in this step is priced by its chunk
             ref = timing.depth_ref
             excess = sum(len(j.prompt) + j.generated + ahead - ref for j in running if not j.fresh)
-            return timing.at_depth(batch, excess) + prefill
-        return timing.step_s[batch - 1] + prefill
+            return timing.at_depth(batch, excess) + prefill - self.relief()
+        return timing.step_s[batch - 1] + prefill - self.relief()
+
+    def relief(self) -> float:
+        """Seconds a step takes less because no other backend has work (Timing.alone_s; 0 while one has)."""
+        alone = self.timing.alone_s
+        return alone if alone and not any(o.busy or o.has_work for o in self.others) else 0.0
 
     def coast(self, now: float, until: float, router: Router) -> float:
         """Run the steps that change nothing but tokens, back to back, while each ends before `until` (the next
@@ -143,11 +150,12 @@ class Backend:
         held = None  # the context the batch holds over the table's: a sum of integers, exact in floats
         if dur is None and float(ref).is_integer():
             held = sum(len(j.prompt) + j.generated for j in running) - n * ref
+            relief = self.relief()  # the others change only at events, which end a coast
         for i in range(last):  # i: the tokens each has made since `now`
             if dur is not None:
                 end = now + dur
             elif held is not None:  # step_time(0.0, i), summed at once
-                end = now + timing.at_depth(n, held + n * i)
+                end = now + (timing.at_depth(n, held + n * i) - relief)
             else:
                 end = now + self.step_time(0.0, i)
             if end >= until:

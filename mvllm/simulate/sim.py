@@ -138,6 +138,8 @@ def run_one(exp: Experiment, policy: str, profile: dict, vocab: int, keep: list 
     budgets = step_budgets(profile, specs)
     backends = {name: Backend(name, t, KVCache(blocks[name]))
                 for name, t in timings(rates, [s.name for s in specs]).items()}
+    for b in backends.values():  # whose work makes a step pay the busier host's price (Timing.alone_s)
+        b.others = tuple(o for o in backends.values() if o is not b)
     router = Router(list(backends), policy, rates_as_served(believed, most) if believed else rates,
                     lengths=lengths, slo=exp.goodput if uses_slo(policy) else None)
     built = built or wl.build_all(exp.workload, vocab, exp.model, tokens=False)
