@@ -169,14 +169,15 @@ def find_profile(exp: Experiment, results: Path | None = None,
     """The profile an experiment routes by; None where it names none. Its `profile` is a file (relative to the
     current folder, else to the experiment file; checked as a profile) or "auto": profile.json in the results
     folder (`results`, default results/<name>), measured there by `mvllm profile`; for an experiment file that
-    is a run's copy under results/, the profile.json beside it or in the folder above (a group's shared one). `mvllm bench` passes
+    is a run's copy under results/, the profile.json beside it or in one of the two folders above (a group's shared
+    one: results/<group>/<policy>/capacity/experiment.toml reads results/<group>/profile.json). `mvllm bench` passes
     `measure(exp, path)`, which makes that file or keeps one that covers the experiment (runner.measure);
     `mvllm simulate` passes none, and reads the file an earlier bench measured."""
     if exp.profile is None:
         return None
     if exp.profile == "auto":
         if results is None and measure is None and exp.path is not None and exp.path.name == "experiment.toml":
-            for beside in (exp.path.parent / "profile.json", exp.path.parent.parent / "profile.json"):
+            for beside in (folder / "profile.json" for folder in exp.path.parents[:3]):
                 if beside.is_file():
                     return beside
         path = (results if results is not None else Path("results") / exp.name) / "profile.json"
@@ -217,7 +218,7 @@ def _backends(text: str) -> set[tuple[str, str]]:
 
 def committed_profile(exp: Experiment, results: Path = Path("results")) -> tuple[Path | None, list[Path]]:
     """For `simulate` where the experiment's own profile (results/<name>/profile.json) is not there: the newest
-    profile of a committed run of it (results/**/<name>/experiment.toml: beside it, or in the folder above),
+    profile of a committed run of it (results/**/<name>/experiment.toml: beside it, or in one of the two folders above),
     else the newest committed profile of the same model and backends (names and devices); and every committed
     profile of the same model, for the line that says none fits."""
     import json
@@ -230,9 +231,9 @@ def committed_profile(exp: Experiment, results: Path = Path("results")) -> tuple
 
     profiles = {p: read(p) for p in sorted(results.glob("**/profile.json"))}
     same_model = [p for p, d in profiles.items() if d.get("model") == exp.model]
-    runs = [next(q for q in (t.parent / "profile.json", t.parent.parent / "profile.json") if q in profiles)
+    runs = [next(q for q in (f / "profile.json" for f in t.parents[:3]) if q in profiles)
             for t in results.glob(f"**/{exp.name}/experiment.toml")
-            if {t.parent / "profile.json", t.parent.parent / "profile.json"} & profiles.keys()]
+            if {f / "profile.json" for f in t.parents[:3]} & profiles.keys()]
     want = _backends(exp.backends) if exp.backends and exp.backends != "default" else None
     fits = runs or [p for p in same_model if want is not None and want == {
         (n, b.get("device")) for n, b in (profiles[p].get("backends") or {}).items()}]
