@@ -192,12 +192,13 @@ def test_smoke_experiment_end_to_end(tmp_path):
 
 
 def test_url_mode_against_an_external_server(server, tmp_path):
-    exp = ex.from_dict({"name": "ext", "model": "ignored", "runs": 1,
+    exp = ex.from_dict({"name": "ext", "model": "ignored", "runs": 1, "warmup": 3,
                         "workload": {"requests": 4, "prefix_tokens": 32, "suffix_tokens": 4, "output_tokens": 8,
                                      "vocab": 512}})
     rows = bench(exp, tmp_path / "ext", url=server.url + "/", quiet=True)
     s = read_json(tmp_path / "ext" / "external-run1" / "summary.json")
     assert s["url"] == server.url and s["policy"] == "external" and s["completed"] == 4
+    assert s["model"] == MODEL  # what that server serves, not the experiment's "ignored"
     assert s["warm_cached_tokens"] is None  # nothing warmed on a server it does not own
     assert s["total_output_tokens"] == 32 and sum(s["backend_requests"].values()) == 4
     assert not (tmp_path / "ext" / "external-run1" / "server.log").exists()

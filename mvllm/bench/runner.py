@@ -268,7 +268,7 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
         (folder / "routing.jsonl").write_bytes(lines)
         servers.unsliced = False
     workload = asdict(exp.workload) | {"requests": len(requests), "stop": stop if exp.workload.hidden else None}
-    summary = {"experiment": exp.name, "policy": policy, "model": exp.model,
+    summary = {"experiment": exp.name, "policy": policy, "model": exp.model if server else model,  # --url: its own
                "backends": backend_text(exp) if server else None, "max_active": exp.max_active,
                "api_servers": exp.api_servers if server else None,
                "url": url if server is None else None, "profile": str(servers.profile) if server and servers.profile
@@ -376,6 +376,8 @@ def bench(exp: Experiment, out: Path, policies: list[str] | None = None, runs: i
             servers.stop()
     rows = write_aggregate(out)
     if not quiet:
-        Console(width=None if sys.stdout.isatty() else WIDTH).print(table(rows, f"{exp.name}: {exp.model}, means over runs (change against gpu-only)"))
+        served = served_model(url) if url else None  # --url: the model that server serves, not the experiment's
+        Console(width=None if sys.stdout.isatty() else WIDTH).print(
+            table(rows, f"{exp.name}: {served or exp.model}, means over runs (change against gpu-only)"))
     return rows
 
