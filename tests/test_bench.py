@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from test_api_servers import NULLS
+from test_shutdown import TINY
 
 from mvllm.bench import experiment as ex
 from mvllm.bench.client import replay
@@ -246,3 +249,42 @@ def test_cli_missing_experiment_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mvllm.cli", "bench", str(tmp_path / "none.toml")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and "does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_warms_each_server_it_starts_up_and_times_none_of_it(tmp_path):
+    """`warmup` (or bench --warmup N): N requests at once on each new server before its run, replies dropped; the
+    run's routing log holds its own requests only, and the summary says what the warm-up sent."""
+    from typer.testing import CliRunner
+
+    from mvllm.cli import app
+
+    (tmp_path / "exp.toml").write_text(f'''name = "warm"
+model = "{TINY}"
+backends = "{NULLS}"
+policies = ["round-robin", "gpu-only"]
+runs = 1
+server = "fresh"
+max_active = 8
+client_workers = 1
+warmup = 5
+[workload]
+requests = 12
+prefix_tokens = 8
+suffix_tokens = 4
+output_tokens = 6
+arrival = "fixed"
+interval = 0.01
+''')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    for run in ("round-robin-run1", "gpu-only-run1"):
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert summary["completed"] == 12 and summary["warmup"]["requests"] == 5 and summary["warmup"]["failed"] == 0
+        routed = (out / run / "routing.jsonl").read_text().splitlines()
+        assert len(routed) == 12, routed[:3]
+    bad = CliRunner().invoke(app, ["bench", str(tmp_path / "exp.toml"), "--out", str(out), "--warmup", "-1"])
+    assert bad.exit_code != 0 and "--warmup must be 0 or more, got -1" in bad.output
+    (tmp_path / "bad.toml").write_text((tmp_path / "exp.toml").read_text().replace("warmup = 5", "warmup = -2"))
+    bad = CliRunner().invoke(app, ["bench", str(tmp_path / "bad.toml"), "--out", str(out)])
+    assert bad.exit_code != 0 and "warmup" in bad.output and "must be 0 or more" in bad.output

@@ -216,12 +216,11 @@ def step_budgets(url: str) -> dict[str, int | None]:
         return {}
 
 
-def warm_up(url: str, model: str | None, requests: list[Request], count: int, exp: Experiment, stop: str,
-            vocab: int) -> dict:
-    """The first `count` requests that open a conversation, sent at once and their replies dropped: a server's
+def warm_up(url: str, model: str | None, requests: list[Request], exp: Experiment, stop: str, vocab: int) -> dict:
+    """The first `exp.warmup` requests that open a conversation, sent at once and their replies dropped: a server's
     first steps of each shape may compile or allocate (the GPU's did: gpu-only's first 3 s on a fresh server at
     the trace's 3x point), which no run should time. vLLM's `bench serve --num-warmups` does the same."""
-    first = [replace(r, arrival=0.0) for r in requests if r.parent is None][:count]
+    first = [replace(r, arrival=0.0) for r in requests if r.parent is None][:exp.warmup]
     records, duration, _, _ = generate(url, model, first, exp.request_timeout, exp.client_workers or auto_workers(),
                                        None, stop, vocab)
     return {"requests": len(first), "failed": sum(not r.ok for r in records), "duration_s": round(duration, 3)}
@@ -239,20 +238,19 @@ def one_run(exp: Experiment, policy: str, url: str | None, servers: Servers | No
             with console.status(f"{label}: preparing the server"):
                 server, log = servers.start(exp, policy, folder)
                 meta.update(server_command=server.command, server=servers.mode)
-            if servers.new and exp.warmup:  # then its caches emptied and its policy set anew: a fresh state
-                with console.status(f"{label}: warming the server up ({exp.warmup} requests at once)"):
-                    meta["warmup"] = warm_up(server.url, served_model(server.url) or exp.model, requests,
-                                             exp.warmup, exp, "field", vocab)
-                    servers.reset(policy, exp.goodput if uses_slo(policy) else None)
-            with console.status(f"{label}: preparing the server"):
-                offset = log.stat().st_size if log.is_file() else 0
-                if exp.workload.warm and prefix:
-                    meta["warm_cached_tokens"] = server.warm(prefix)
             url = server.url
         model = served_model(url) or exp.model
-        if server is not None:
-            meta["max_step_tokens"] = step_budgets(url)
         stop = "disconnect" if server is None else "field"  # any OpenAI server: stop reading at the length
+        if server is not None:
+            if servers.new and exp.warmup:  # then its caches emptied and its policy set anew: a fresh state
+                with console.status(f"{label}: warming the server up ({exp.warmup} requests at once)"):
+                    meta["warmup"] = warm_up(url, model, requests, exp, stop, vocab)
+                    servers.reset(policy, exp.goodput if uses_slo(policy) else None)
+            with console.status(f"{label}: preparing the server"):
+                offset = log.stat().st_size if log.is_file() else 0  # the run's routing log starts here
+                if exp.workload.warm and prefix:
+                    meta["warm_cached_tokens"] = server.warm(prefix)
+            meta["max_step_tokens"] = step_budgets(url)
         display = RunDisplay(console, label, len(requests))
         workers = exp.client_workers or auto_workers()
         with display if not quiet else nullcontext():
@@ -321,7 +319,7 @@ def prepare(exp: Experiment, out: Path, policies: list[str] | None, url: str | N
     if url is not None and exp.warmup:  # a server bench did not start: warmed once, its caches left as they are
         first = next(iter(built.values())).requests
         with console.status(f"warming {url} up ({exp.warmup} requests at once)"):
-            done = warm_up(url, served_model(url), first, exp.warmup, exp, "disconnect", vocab_of(exp.model, exp.workload))
+            done = warm_up(url, served_model(url), first, exp, "disconnect", vocab_of(exp.model, exp.workload))
         if not quiet:
             console.print(f"[dim]warm-up: {done['requests']} requests in {done['duration_s']:.1f} s, {done['failed']} "
                           "failed; the server's caches were not emptied after it[/dim]", highlight=False)

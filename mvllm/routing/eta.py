@@ -115,7 +115,7 @@ class Timing:
             steps[i] = s if s is not None else steps[i - 1]
         serving = entry.get("serving") or {}
         host = float(serving.get("step_ms", 0.0)) / 1000
-        alone = min(host, float(serving.get("step_ms_alone", host * 1000)) / 1000)
+        alone = min(host, float(serving.get("step_ms_alone", serving.get("step_ms", 0.0))) / 1000)
         depth = depth_cost(entry)
         chunks = Chunks.fit(entry.get("chunks", []), steps, depth) if entry.get("max_step_tokens") else None
         return cls(float(entry["prefill_rate"]), [s + host for s in steps], prefill_points(entry, table),
